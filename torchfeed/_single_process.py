@@ -14,6 +14,7 @@ import torch
 
 from . import _seeding
 from ._fetch import create_fetcher
+from ._index_stream import NO_STATE
 from ._iterator_base import BaseIterator
 from ._pin_memory import pin_memory
 
@@ -25,6 +26,10 @@ class SingleProcessIterator(BaseIterator):
         self._make_fetcher()
 
     def _make_fetcher(self) -> None:
+        states = self._stream.load_states
+        if states is not None and states[0] is not None:
+            self._stream.load_states = None  # once: the dataset object keeps it from then on
+            self._dataset.load_state_dict(states[0])
         self._fetcher = create_fetcher(self._is_iterable, self._dataset, self._auto_collation,
                                        self._collate_fn, self._drop_last)
 
@@ -48,6 +53,8 @@ class SingleProcessIterator(BaseIterator):
             data = self._fetch_seeded(batch_index, indices)
         else:
             data = self._fetcher.fetch(indices)  # StopIteration ends an iterable
+        state = self._dataset.state_dict() if self._stream.ships_state else NO_STATE
         if self._pin_memory:
             data = pin_memory(data, self._pin_memory_device)
+        self._stream.record_yield(batch_index, indices, 0, state)
         return data

@@ -3,8 +3,9 @@
 A worker seeds itself as torch does, publishes ``get_worker_info()``, runs
 ``worker_init_fn``, then answers tasks from its own index queue until told to
 stop.  Each answer is one message on the shared result queue:
-``(send_idx, payload)``, where payload is the packed batch, a ``WorkerFailure``
-or an ``IterableExhausted`` marker.
+``(send_idx, payload)``, where payload is the packed batch (for an
+IterableDataset with ``state_dict``, wrapped with the state its copy reported
+right after making it), a ``WorkerFailure`` or an ``IterableExhausted`` marker.
 
 Two rules keep the main process from ever hanging on a worker:
 
@@ -32,6 +33,7 @@ import torch.utils.data._utils.worker as _torch_worker
 from . import _seeding
 from ._errors import WorkerFailure
 from ._fetch import create_fetcher
+from ._index_stream import StatefulResult
 from ._pickling import describe_unpicklable
 
 POLL_INTERVAL = 0.25  # seconds between checks that the main process is alive
@@ -69,6 +71,10 @@ class WorkerSpec:
     epoch: int
     seed_per_batch: bool
     main_pid: int
+    # A stateful IterableDataset: each worker loads its entry before iterating
+    # (a resume), and sends its state with every batch (see _state.py).
+    resume_states: list | None = None
+    ships_state: bool = False
 
 
 def _main_process_alive(main_pid: int, parent_pid: int) -> bool:
@@ -136,6 +142,12 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             spec.worker_init_fn(worker_id)
     except Exception as exc:
         init_failure = WorkerFailure(exc, worker_id, "worker_init_fn")
+    if init_failure is None and spec.resume_states is not None \
+            and spec.resume_states[worker_id] is not None:
+        try:
+            dataset.load_state_dict(spec.resume_states[worker_id])
+        except Exception as exc:
+            init_failure = WorkerFailure(exc, worker_id, "dataset.load_state_dict")
 
     packer = channel.packer(worker_id)
     epoch = spec.epoch
@@ -181,6 +193,7 @@ def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int,
         _seeding.seed_batch(spec.base_seed, epoch, task.batch_index)
     try:
         batch = fetcher.fetch(task.indices)
+        state = fetcher.dataset.state_dict() if spec.ships_state else None
     except StopIteration:
         if spec.is_iterable:
             return IterableExhausted(worker_id)
@@ -189,6 +202,7 @@ def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int,
     except Exception as exc:
         return WorkerFailure(exc, worker_id, "fetching", task.indices, task.batch_index)
     try:
-        return packer.pack(batch)
+        payload = packer.pack(batch)
     except Exception as exc:
         return WorkerFailure(exc, worker_id, "packing", task.indices, task.batch_index)
+    return StatefulResult(payload, state) if spec.ships_state else payload
