@@ -35,20 +35,23 @@ _NOTHING = object()
 class StatefulResult:
     """A batch and the state its worker's IterableDataset copy reported right after making it.
 
-    The worker wraps the transport's payload in one; the main process's
-    unpacker rebuilds the batch inside it; the state is recorded when the batch
-    is yielded to the user, not when it arrives.
+    ``ended``: making it hit the end of the worker's stream (a short last
+    batch), so the worker has nothing more this epoch.  The worker wraps the
+    transport's payload in one; the main process's unpacker rebuilds the batch
+    inside it; the state is recorded when the batch is yielded to the user, not
+    when it arrives.
     """
 
-    __slots__ = ("value", "state")
+    __slots__ = ("value", "state", "ended")
 
-    def __init__(self, value, state) -> None:
+    def __init__(self, value, state, ended: bool = False) -> None:
         self.value = value
         self.state = state
+        self.ended = ended
 
     def pin_memory(self):  # the pin-memory thread pins what is inside
         from ._pin_memory import pin_memory
-        return StatefulResult(pin_memory(self.value), self.state)
+        return StatefulResult(pin_memory(self.value), self.state, self.ended)
 
 
 def encode_rng(state: torch.Tensor) -> str:
@@ -103,7 +106,7 @@ class IndexStream:
     def __init__(self, loader) -> None:
         from ._state import ResumeBook  # the book imports this module
 
-        self.loader = loader
+        self.generator = loader.generator  # not the loader: no reference cycle through it
         self.index_sampler = loader._index_sampler
         self.is_iterable = isinstance(loader.dataset, IterableDataset)
         self.auto_collation = loader._auto_collation
@@ -139,8 +142,14 @@ class IndexStream:
         self.consumed_offset = 0     # items of a "position" sampler used before its iter()
         self.first_worker = 0
         self.reread = 0              # batches to read and drop (stateless IterableDataset)
-        self.load_states = plan.worker_states
+        self.exhausted = set()       # workers whose last yielded batch ended their stream
+        self.end_states = {}         # worker -> its dataset's state when its stream ended
+        # What each worker loads before iterating: [dataset state or None, ended].
+        self.load_states = None
         if plan.worker_states is not None:
+            self.load_states = [[ws, w in plan.exhausted]
+                                for w, ws in enumerate(plan.worker_states)]
+            self.exhausted = set(plan.exhausted)
             self.worker_states = list(plan.worker_states)
         elif fresh and self.num_workers > 0:
             self.worker_states = [None] * self.num_workers  # fresh copies of the dataset
@@ -155,13 +164,27 @@ class IndexStream:
             if plan.base_seed is not None:  # persistent workers: one base seed for all epochs
                 self.base_seed, self.draws_base_seed = plan.base_seed, False
             else:
-                self.base_seed, self.draws_base_seed = draw_base_seed(self.loader.generator), True
+                self.base_seed, self.draws_base_seed = draw_base_seed(self.generator), True
         else:
             self.draws_base_seed = False
+        self._peek()
+
+    def _peek(self) -> None:
+        """Take the first batch of indices now, at iter().
+
+        The sampler's first draw (RandomSampler seeds itself from the global
+        RNG then) thus happens with the epoch's other draws, right after the
+        base seed, as torch's multi-process iterator does it; for
+        ``num_workers=0`` torch would wait for the first ``next()``.  A state
+        saved between ``iter()`` and ``next()`` is then exact too.
+        """
+        self._peeked = next(self._sampler_iter, _NOTHING)
+        if self._peeked is _NOTHING:
+            self._sampler_iter = iter(())
 
     def _capture(self) -> None:
         """Record what rebuilding this epoch's stream needs (before the sampler draws)."""
-        generator = self.loader.generator
+        generator = self.generator
         self.rng = {
             "generator": None if generator is None else encode_rng(generator.get_state()),
             "global": encode_rng(torch.get_rng_state()),
@@ -183,7 +206,7 @@ class IndexStream:
         self.prefix_samples = self.samples_yielded - sum(self.out_of_order.values())
         self._skip = set(self.out_of_order)
         start = 0
-        with replaying(self.loader, self.generators, self.rng):
+        with replaying(self.generator, self.generators, self.rng):
             if sampler_state is not None and sampler_state["protocol"] == "position":
                 self.sampler.load_state_dict(sampler_state["state"])
                 start = self.frontier
@@ -193,7 +216,7 @@ class IndexStream:
                 self.sampler.load_state_dict(sampler_state["state"])
             self._sampler_iter = iter(self.index_sampler)
             if self.draws_base_seed and fresh:
-                draw_base_seed(self.loader.generator)  # keeps the generator in step
+                draw_base_seed(self.generator)  # keeps the generator in step
             if self.is_iterable:
                 if self.ships_state:
                     self.first_worker = state["next_worker"]
@@ -205,11 +228,7 @@ class IndexStream:
             for _ in range(self.frontier - start):
                 next(self._sampler_iter, None)
             self._next_pos = self.frontier
-            # The sampler's first draw (RandomSampler seeds itself from the
-            # global RNG then) must happen here, inside the replay.
-            self._peeked = next(self._sampler_iter, _NOTHING)
-            if self._peeked is _NOTHING:
-                self._sampler_iter = iter(())
+            self._peek()  # inside the replay, as the sampler may draw from the global RNG
 
     def replay_to_end(self, state: dict) -> None:
         """Run a finished epoch's index stream to its end, loading nothing.
@@ -219,12 +238,12 @@ class IndexStream:
         epoch draws the same shuffle.
         """
         sampler_state = state["sampler_state"]
-        with replaying(self.loader, self.generators, state["epoch_start_rng"]):
+        with replaying(self.generator, self.generators, state["epoch_start_rng"]):
             if sampler_state is not None and sampler_state["protocol"] == "epoch_start":
                 self.sampler.load_state_dict(sampler_state["state"])
             it = iter(self.index_sampler)
             if state["draws_base_seed"]:
-                draw_base_seed(self.loader.generator)
+                draw_base_seed(self.generator)
             if not self.is_iterable and not (
                     sampler_state is not None and sampler_state["protocol"] == "position"):
                 for _ in it:
@@ -249,12 +268,13 @@ class IndexStream:
     def yielded(self, data, pos: int, indices, worker_id: int):
         """Record that the batch at ``pos`` goes to the user now; return the batch itself."""
         if type(data) is StatefulResult:
-            self.record_yield(pos, indices, worker_id, data.state)
+            self.record_yield(pos, indices, worker_id, data.state, data.ended)
             return data.value
         self.record_yield(pos, indices, worker_id)
         return data
 
-    def record_yield(self, pos: int, indices, worker_id: int = 0, worker_state=NO_STATE) -> None:
+    def record_yield(self, pos: int, indices, worker_id: int = 0, worker_state=NO_STATE,
+                     ended: bool = False) -> None:
         if self.reread:  # a batch the checkpoint had already counted
             self.reread -= 1
             return
@@ -264,6 +284,8 @@ class IndexStream:
         if self.is_iterable:
             if worker_state is not NO_STATE:
                 self.worker_states[worker_id] = worker_state
+                if ended:
+                    self.exhausted.add(worker_id)
             self.first_worker = (worker_id + 1) % len(self.worker_states)
             return
         if pos == self.frontier:
@@ -275,8 +297,17 @@ class IndexStream:
         else:
             self.out_of_order[pos] = n
 
+    def worker_ended(self, worker_id: int, state) -> None:
+        """A worker's stream ended; ``state`` is its dataset's state after the end."""
+        if self.ships_state:
+            self.end_states[worker_id] = state
+
     def finish(self) -> None:
+        """StopIteration: every worker's stream ended, and the user has seen all of it."""
         self.finished = True
+        for worker_id, state in self.end_states.items():
+            self.worker_states[worker_id] = state
+        self.end_states.clear()
 
     def _consumed_units(self) -> int:
         """Items of the stateful sampler consumed up to the frontier."""
@@ -298,14 +329,14 @@ class replaying:
     replay leaves them: that is where the uninterrupted run had them.
     """
 
-    def __init__(self, loader, generators, rng: dict) -> None:
-        self._loader, self._generators, self._rng = loader, generators, rng
+    def __init__(self, generator, generators, rng: dict) -> None:
+        self._generator, self._generators, self._rng = generator, generators, rng
         self._fork = None
 
     def __enter__(self):
         rng = self._rng
-        if rng["generator"] is not None and self._loader.generator is not None:
-            self._loader.generator.set_state(decode_rng(rng["generator"]))
+        if rng["generator"] is not None and self._generator is not None:
+            self._generator.set_state(decode_rng(rng["generator"]))
         for g, text in zip(self._generators, rng["samplers"]):
             g.set_state(decode_rng(text))
         self._fork = torch.random.fork_rng(devices=[])

@@ -275,6 +275,7 @@ class MultiProcessIterator(BaseIterator):
             send_idx, data = self._get_data()
             self._tasks_outstanding -= 1
             if isinstance(data, IterableExhausted):
+                self._stream.worker_ended(data.worker_id, data.state)
                 self._retire_worker(data.worker_id)
                 self._try_put_index()
                 continue

@@ -27,6 +27,7 @@ The format (version 1), plain values only, so it survives ``json`` and
      "epoch_start_rng": {"generator": str | None, "global": str, "samplers": [str, ...]} | None,
      "sampler_state": {"protocol": "position" | "epoch_start", "state": ...} | None,
      "worker_states": [state | None, ...] | None,           # stateful IterableDataset only
+     "exhausted_workers": [int, ...],  # their stream ended with the last batch yielded
      "next_worker": int}
 
 RNG states are base64 strings of the generators' byte states.  ``load_state_dict``
@@ -55,20 +56,22 @@ _FIELDS = {
     "epoch_finished": _BOOL, "batches_yielded": _INT, "samples_yielded": _INT,
     "out_of_order_yielded": "list", "base_seed": _OPT_INT, "draws_base_seed": _BOOL,
     "epoch_start_rng": "dict or None", "sampler_state": "dict or None",
-    "worker_states": "list or None", "next_worker": _INT,
+    "worker_states": "list or None", "exhausted_workers": "list", "next_worker": _INT,
 }
 
 
 class Plan:
     """What the next epoch started on a loader is: its number, and what to restore."""
 
-    __slots__ = ("epoch", "state", "base_seed", "worker_states")
+    __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted")
 
-    def __init__(self, epoch: int, state=None, base_seed=None, worker_states=None) -> None:
+    def __init__(self, epoch: int, state=None, base_seed=None, worker_states=None,
+                 exhausted=()) -> None:
         self.epoch = epoch
         self.state = state                  # a state whose epoch this one continues
         self.base_seed = base_seed          # persistent workers keep one base seed
         self.worker_states = worker_states  # IterableDataset states to load first
+        self.exhausted = exhausted          # workers with nothing left this epoch
 
 
 class ResumeBook:
@@ -119,7 +122,7 @@ def state_dict(loader) -> dict:
         state.update(epoch=book.next_epoch, epoch_finished=False, batches_yielded=0,
                      samples_yielded=0, out_of_order_yielded=[], base_seed=None,
                      draws_base_seed=True, epoch_start_rng=None, sampler_state=None,
-                     worker_states=None, next_worker=0)
+                     worker_states=None, exhausted_workers=[], next_worker=0)
         return state
     state["epoch"] = s.epoch
     state["epoch_finished"] = s.finished
@@ -132,6 +135,7 @@ def state_dict(loader) -> dict:
     state["epoch_start_rng"] = s.rng
     state["sampler_state"] = s.sampler_state()
     state["worker_states"] = list(s.worker_states) if s.ships_state else None
+    state["exhausted_workers"] = sorted(s.exhausted) if s.exhausted else []
     state["next_worker"] = s.first_worker
     return state
 
@@ -160,7 +164,8 @@ def load_state_dict(loader, state) -> None:
                     base_seed=state["base_seed"] if probe.persistent else None,
                     worker_states=state["worker_states"] if carries else None)
     else:
-        plan = Plan(epoch, state=state, worker_states=state["worker_states"])
+        plan = Plan(epoch, state=state, worker_states=state["worker_states"],
+                    exhausted=tuple(state["exhausted_workers"]))
         if probe.is_iterable and not probe.ships_state and state["batches_yielded"] > 0:
             warnings.warn(
                 f"{type(loader.dataset).__name__} has no state_dict()/load_state_dict(), so "
@@ -256,6 +261,10 @@ def _validate(state, header: dict, loader, probe: IndexStream) -> dict:
     elif probe.ships_state and state["batches_yielded"] > 0 and not state["epoch_finished"]:
         _fail(f"field 'worker_states' is None but {type(loader.dataset).__name__} has "
               "state_dict(); the state was saved from a loader over another dataset")
+    bad = [w for w in state["exhausted_workers"]
+           if not isinstance(w, int) or isinstance(w, bool) or not 0 <= w < slots]
+    if bad:
+        _fail(f"field 'exhausted_workers' names worker(s) {bad} but there are {slots} worker(s)")
     if iterable and state["next_worker"] >= slots:
         _fail(f"field 'next_worker' is {state['next_worker']} but there are {slots} worker(s)")
     out = dict(state)
@@ -316,7 +325,8 @@ class StatefulUnpacker:
 
     def unpack(self, payload):
         if type(payload) is StatefulResult:
-            return StatefulResult(self._inner.unpack(payload.value), payload.state)
+            return StatefulResult(self._inner.unpack(payload.value), payload.state,
+                                   payload.ended)
         return self._inner.unpack(payload)
 
     def discard(self, payload) -> None:

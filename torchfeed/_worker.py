@@ -55,6 +55,7 @@ class ResumeIteration:
 @dataclass
 class IterableExhausted:
     worker_id: int
+    state: Any = None  # a stateful IterableDataset's state once its stream ended
 
 
 @dataclass
@@ -71,8 +72,8 @@ class WorkerSpec:
     epoch: int
     seed_per_batch: bool
     main_pid: int
-    # A stateful IterableDataset: each worker loads its entry before iterating
-    # (a resume), and sends its state with every batch (see _state.py).
+    # A stateful IterableDataset: each worker loads its [state, ended] entry
+    # before iterating (a resume), and sends its state with every batch.
     resume_states: list | None = None
     ships_state: bool = False
 
@@ -142,10 +143,10 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             spec.worker_init_fn(worker_id)
     except Exception as exc:
         init_failure = WorkerFailure(exc, worker_id, "worker_init_fn")
-    if init_failure is None and spec.resume_states is not None \
-            and spec.resume_states[worker_id] is not None:
+    resume = spec.resume_states[worker_id] if spec.resume_states is not None else None
+    if init_failure is None and resume is not None and resume[0] is not None:
         try:
-            dataset.load_state_dict(spec.resume_states[worker_id])
+            dataset.load_state_dict(resume[0])
         except Exception as exc:
             init_failure = WorkerFailure(exc, worker_id, "dataset.load_state_dict")
 
@@ -153,6 +154,8 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     epoch = spec.epoch
     fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
                              spec.collate_fn, spec.drop_last)
+    if resume is not None and resume[1]:
+        fetcher.ended = True  # its stream ended with the last batch the user got
     exhausted = False
     try:
         while True:
@@ -196,7 +199,8 @@ def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int,
         state = fetcher.dataset.state_dict() if spec.ships_state else None
     except StopIteration:
         if spec.is_iterable:
-            return IterableExhausted(worker_id)
+            return IterableExhausted(
+                worker_id, fetcher.dataset.state_dict() if spec.ships_state else None)
         return WorkerFailure(RuntimeError("StopIteration raised while fetching a batch"),
                              worker_id, "fetching", task.indices, task.batch_index)
     except Exception as exc:
@@ -205,4 +209,4 @@ def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int,
         payload = packer.pack(batch)
     except Exception as exc:
         return WorkerFailure(exc, worker_id, "packing", task.indices, task.batch_index)
-    return StatefulResult(payload, state) if spec.ships_state else payload
+    return StatefulResult(payload, state, fetcher.ended) if spec.ships_state else payload
