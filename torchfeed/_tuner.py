@@ -193,6 +193,10 @@ def loader_arguments(source: Any, batch_size: int | None = None) -> tuple[type, 
     return type(dl), kwargs
 
 
+def _workers(n: int) -> str:
+    return f"{n} worker{'' if n == 1 else 's'}"
+
+
 def _describe(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)[-1:]
     where = f" (at {frames[0].filename}:{frames[0].lineno})" if frames else ""
@@ -224,21 +228,24 @@ def recommend(rows: Sequence[TuneRow], cores: int,
         if more:
             top = max(more, key=lambda r: r.batches_per_s)
             reason = (f"num_workers=0 ({pick.batches_per_s:.1f} batches/s) is as fast as any "
-                      f"worker count: the best with workers, {top.num_workers}, gives "
-                      f"{gain(top)}, within the {margin} margin. Loading a batch costs less than "
-                      f"moving it between processes")
+                      f"worker count: the best with workers ({_workers(top.num_workers)}) "
+                      f"gives {gain(top)}, within the {margin} margin or worse. Loading a batch "
+                      "in-process costs less than moving it from a worker")
         else:
             reason = "num_workers=0 was the only setting that worked"
     elif not more:
-        limit = "all usable cores" if pick.num_workers >= cores else "the most tried"
-        reason = (f"throughput still grows up to {pick.num_workers} workers ({limit}); "
-                  f"loading is CPU-bound, so more cores or cheaper samples would help")
+        if pick.num_workers >= cores:
+            advice = ("all usable cores): loading is CPU-bound, so more cores or cheaper "
+                      "samples would help")
+        else:
+            advice = "the most tried): try a larger max_workers"
+        reason = f"throughput still grows up to {_workers(pick.num_workers)} ({advice}"
     else:
         nxt = more[0]
         verb = "drops" if nxt.batches_per_s < pick.batches_per_s else "stops growing"
-        reason = (f"throughput {verb} after {pick.num_workers} worker"
-                  f"{'s' if pick.num_workers > 1 else ''}: {nxt.num_workers} give "
-                  f"{gain(nxt)}, within the {margin} margin or worse")
+        reason = (f"throughput {verb} after {_workers(pick.num_workers)}: with "
+                  f"{_workers(nxt.num_workers)} it changes by {gain(nxt)}, within the {margin} "
+                  "margin or worse")
     zero = by_workers.get(0)
     if zero is not None and pick.num_workers > 0:
         reason += f"; {pick.batches_per_s / zero.batches_per_s:.1f}x num_workers=0"
@@ -247,7 +254,7 @@ def recommend(rows: Sequence[TuneRow], cores: int,
         if others:
             top = max(others, key=lambda r: r.batches_per_s)
             reason += (f". prefetch_factor={pick.prefetch_factor}: "
-                       f"{top.prefetch_factor} gives {gain(top)}")
+                       f"{top.prefetch_factor} changes throughput by {gain(top)}")
     return pick, reason + "."
 
 
@@ -287,7 +294,9 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
             bar.step(f"num_workers={workers}" + (f" prefetch_factor={factor}" if factor else ""))
             kwargs = dict(base, num_workers=workers)
             if workers == 0:
-                kwargs["persistent_workers"] = False  # torch rejects it without workers
+                # torch rejects both without workers; they only govern workers anyway.
+                kwargs["persistent_workers"] = False
+                kwargs["timeout"] = 0
             else:
                 kwargs["prefetch_factor"] = factor
             row = TuneRow(workers, factor)
@@ -304,6 +313,10 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
             rows.append(row)
 
     pick, reason = recommend(rows, cores)
+    failed = [r for r in rows if r.error]
+    if failed:
+        notes.append(f"{len(failed)} setting(s) failed and were left out; the first: "
+                     f"num_workers={failed[0].num_workers}: {failed[0].error}")
     if any(r.error is None and r.batches < _FEW_BATCHES for r in rows):
         notes.append(f"some settings produced fewer than {_FEW_BATCHES} batches in {seconds:g} s; "
                      "raise seconds for a steadier measurement")

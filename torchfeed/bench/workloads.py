@@ -172,8 +172,9 @@ class Workload:
     description: str
     make: Callable[[int], Dataset]
     batch_size: int
-    # Timed batches per run: sized so that the slowest loader finishes a run in
-    # a few seconds on 2 cores, which keeps the default run under 3 minutes.
+    # Timed batches per run: about 1.5 s of torch's DataLoader with 2 workers on
+    # 2 cores, long enough to average over many batches, short enough that the
+    # default run (5 workloads x 3 repeats x 2 loaders) stays near a minute.
     batches: int
 
     def dataset(self, length: int) -> Dataset:
@@ -183,14 +184,14 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
-        Workload("small", "16 float32 + int label per sample, batch 64", SmallDataset, 64, 300),
-        Workload("image", "uint8 3x224x224 + int label per sample, batch 64", ImageDataset, 64, 40),
+        Workload("small", "16 float32 + int label per sample, batch 64", SmallDataset, 64, 500),
+        Workload("image", "uint8 3x224x224 + int label per sample, batch 64", ImageDataset, 64, 150),
         Workload("dict30", "dict of 32 small tensors (4 dtypes) per sample, batch 64",
-                 DictDataset, 64, 150),
+                 DictDataset, 64, 60),
         Workload("numpy", "numpy record split into 5 arrays/scalars per sample, batch 64",
-                 NumpyRecordDataset, 64, 300),
+                 NumpyRecordDataset, 64, 250),
         Workload("cpu_heavy", "~2 ms of Python compute per sample, batch 16",
-                 CpuHeavyDataset, 16, 30),
+                 CpuHeavyDataset, 16, 80),
     ]
 }
 

@@ -72,8 +72,9 @@ def load_target(target: str) -> Any:
                           f"{attr!r}.{hint} FACTORY must name a function that returns a "
                           f"Dataset or a DataLoader.") from None
     if not callable(factory):
-        raise TargetError(f"{target} is a {type(factory).__name__}, not a callable; FACTORY must "
-                          "name a function that returns a Dataset or a DataLoader")
+        raise TargetError(f"{target} is not callable (it is a value of type "
+                          f"{type(factory).__name__}); FACTORY must name a function that "
+                          "returns a Dataset or a DataLoader")
     try:
         inspect.signature(factory).bind()
     except TypeError as exc:
