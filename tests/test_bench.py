@@ -48,8 +48,9 @@ def test_bench_quick_prints_the_table_and_writes_json(tmp_path):
     row = next(line for line in out.splitlines() if line.startswith("small "))
     assert row.count("x") >= 4  # a ratio in each of the four column groups
     # Not a terminal: plain progress lines on stderr, one per run.
-    assert "torchfeed.bench [1/2] small torch run 1/1" in proc.stderr
-    assert "torchfeed.bench [2/2] small torchfeed run 1/1" in proc.stderr
+    assert "torchfeed.bench [1/4] small torch warm-up" in proc.stderr
+    assert "torchfeed.bench [3/4] small torch run 1/1" in proc.stderr
+    assert "torchfeed.bench [4/4] small torchfeed run 1/1" in proc.stderr
 
     data = json.loads(out_json.read_text())
     assert data["command"].startswith("python -m torchfeed.bench --quick")

@@ -59,8 +59,9 @@ def test_tune_a_dataset_from_python(capsys):
     assert f"recommended: num_workers={result.num_workers}" in out
     assert "why: " in out
     # stderr is not a terminal here: one plain line per setting, no carriage returns.
-    assert "torchfeed.tune [1/2] num_workers=0" in err
-    assert "torchfeed.tune [2/2] num_workers=1 prefetch_factor=2" in err
+    assert "torchfeed.tune [1/3] warm-up" in err
+    assert "torchfeed.tune [2/3] num_workers=0" in err
+    assert "torchfeed.tune [3/3] num_workers=1 prefetch_factor=2" in err
     assert "\r" not in err
 
 

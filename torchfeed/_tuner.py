@@ -289,7 +289,16 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
 
     settings = [(0, None)] + [(n, p) for n in range(1, max_workers + 1) for p in factors]
     rows = []
-    with Progress(len(settings), "torchfeed.tune", enabled=progress) as bar:
+    with Progress(len(settings) + 1, "torchfeed.tune", enabled=progress) as bar:
+        # A couple of untimed in-process batches first: the first run in a
+        # process pays one-off costs (lazy opens, allocator growth) that would
+        # otherwise all count against num_workers=0.
+        bar.step("warm-up")
+        try:
+            time_loader(lambda: cls(**dict(base, num_workers=0, persistent_workers=False,
+                                           timeout=0)), batches=2, restart_epochs=True)
+        except Exception:
+            pass  # the num_workers=0 setting below fails the same way and reports it
         for workers, factor in settings:
             bar.step(f"num_workers={workers}" + (f" prefetch_factor={factor}" if factor else ""))
             kwargs = dict(base, num_workers=workers)

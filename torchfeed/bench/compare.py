@@ -112,7 +112,7 @@ def loader_class(name: str) -> Callable[..., Any]:
     return torchfeed.DataLoader
 
 
-def _describe_error(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
     where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
     return f"{type(exc).__name__}: {exc}{where}"
@@ -125,7 +125,7 @@ def run_comparison(config: BenchConfig) -> list[WorkloadResult]:
         raise ValueError(f"unknown workload(s) {', '.join(unknown)}; "
                          f"choose from {', '.join(WORKLOADS)}")
     results = []
-    steps = len(config.workloads) * config.repeats * len(LOADERS)
+    steps = len(config.workloads) * (config.repeats + 1) * len(LOADERS)
     with Progress(steps, "torchfeed.bench", enabled=config.progress) as bar:
         for name in config.workloads:
             results.append(_run_workload(WORKLOADS[name], config, bar))
@@ -139,6 +139,17 @@ def _run_workload(workload: Workload, config: BenchConfig, bar: Progress) -> Wor
     in_flight = 4 * max(1, config.num_workers)
     dataset = workload.dataset((batches + 1 + in_flight) * workload.batch_size)
     figures = {name: LoaderFigures() for name in LOADERS}
+    # An untimed short run of each loader first: the first run in a process
+    # pays one-off costs (allocator growth, lazy imports, the dataset's pages)
+    # that would otherwise land on whichever loader happens to go first.
+    for name in LOADERS:
+        bar.step(f"{workload.name} {name} warm-up")
+        try:
+            cls = loader_class(name)
+            kwargs = config.loader_kwargs(name, workload)
+            time_loader(lambda: cls(dataset, **kwargs), batches=min(3, batches))
+        except Exception:
+            pass  # the timed runs below fail the same way and report it
     for repeat in range(config.repeats):
         order = LOADERS if repeat % 2 == 0 else LOADERS[::-1]
         for name in order:
@@ -150,7 +161,7 @@ def _run_workload(workload: Workload, config: BenchConfig, bar: Progress) -> Wor
                 kwargs = config.loader_kwargs(name, workload)
                 timing = time_loader(lambda: cls(dataset, **kwargs), batches=batches)
             except Exception as exc:  # reported in the table, the other rows go on
-                figures[name].error = _describe_error(exc)
+                figures[name].error = describe_error(exc)
                 continue
             figures[name].runs.append(timing)
     return WorkloadResult(workload, batches, figures)
