@@ -27,6 +27,9 @@ ROOT = TESTS.parent
 HELPER = tune_helper.__name__
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 QUICK = dict(seconds=0.2, max_workers=1, prefetch_factors=(2,))
+# Tests that start workers capture with capfd, not capsys: capsys swaps
+# sys.stderr for an object with no file descriptor, which a worker that calls
+# faulthandler.enable() cannot use.
 
 
 def _run_cli(*args, cwd):
@@ -47,14 +50,14 @@ class _Stream(IterableDataset):
 
 
 @pytest.mark.timeout(60)
-def test_tune_a_dataset_from_python(capsys):
+def test_tune_a_dataset_from_python(capfd):
     result = tune(tune_helper.TinyDataset(), batch_size=4, **QUICK)
     assert [(r.num_workers, r.prefetch_factor) for r in result.rows] == [(0, None), (1, 2)]
     assert all(r.error is None and r.batches > 0 and r.batches_per_s > 0 for r in result.rows)
     assert (result.num_workers, result.prefetch_factor) in [(0, None), (1, 2)]
     assert result.reason
     assert result.loader_kwargs["num_workers"] == result.num_workers
-    out, err = capsys.readouterr()
+    out, err = capfd.readouterr()
     assert "batches/s" in out and "<- recommended" in out
     assert f"recommended: num_workers={result.num_workers}" in out
     assert "why: " in out
@@ -66,7 +69,7 @@ def test_tune_a_dataset_from_python(capsys):
 
 
 @pytest.mark.timeout(60)
-def test_tune_a_loader_keeps_its_arguments(capsys):
+def test_tune_a_loader_keeps_its_arguments(capfd):
     loader = torchfeed.DataLoader(tune_helper.TinyDataset(), batch_size=8, shuffle=True,
                                   collate_fn=_tuple_collate, drop_last=True, timeout=30)
     cls, kwargs = loader_arguments(loader)
@@ -77,11 +80,15 @@ def test_tune_a_loader_keeps_its_arguments(capsys):
     assert (kwargs["batch_size"], kwargs["drop_last"], kwargs["timeout"]) == (8, True, 30)
     assert "num_workers" not in kwargs and "prefetch_factor" not in kwargs
     assert loader_arguments(loader, batch_size=2)[1]["batch_size"] == 2
+    # torchfeed's own options come along too.
+    options = loader_arguments(torchfeed.DataLoader(tune_helper.TinyDataset(), transport="torch",
+                                                    seed_per_batch=True))[1]
+    assert options["transport"] == "torch" and options["seed_per_batch"] is True
 
     result = tune(loader, progress=False, verbose=False, **QUICK)
     assert result.batch_size == 8
     assert all(r.error is None and r.batches > 0 for r in result.rows)
-    assert capsys.readouterr() == ("", "")  # progress=False, verbose=False: silent
+    assert capfd.readouterr() == ("", "")  # progress=False, verbose=False: silent
 
 
 def test_loader_arguments_other_batching_modes():
@@ -168,11 +175,11 @@ def test_cli_missing_factory_lists_the_factories(capsys):
 
 
 @pytest.mark.timeout(60)
-def test_plot(tmp_path, capsys):
+def test_plot(tmp_path, capfd):
     png = tmp_path / "tune.png"
     if not HAS_MATPLOTLIB:
         assert tune_main([f"{HELPER}:make_dataset", "--plot", str(png)]) == 2
-        assert "pip install 'torchfeed[plot]'" in capsys.readouterr().err
+        assert "pip install 'torchfeed[plot]'" in capfd.readouterr().err
         with pytest.raises(ImportError, match=r"pip install 'torchfeed\[plot\]'"):
             tune(tune_helper.TinyDataset(), plot=str(png), **QUICK)
         assert not png.exists()

@@ -10,6 +10,7 @@ command-line front end (:mod:`torchfeed.tune.__main__`).
 """
 from __future__ import annotations
 
+import inspect
 import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
@@ -148,12 +149,29 @@ def _is_default_collate(fn: Any) -> bool:
             and getattr(fn, "__module__", "").startswith(("torch.utils.data", "torchfeed")))
 
 
+def _extra_options(dl: DataLoader) -> dict[str, Any]:
+    """Constructor options that torch lacks (torchfeed's transport, say), read back.
+
+    torchfeed stores each of its own keyword-only options under its own name,
+    so reading the attribute of the same name gives back what was passed.
+    """
+    torch_params = set(inspect.signature(torch.utils.data.DataLoader.__init__).parameters)
+    extra = {}
+    for name, param in inspect.signature(type(dl).__init__).parameters.items():
+        if (name not in torch_params and param.kind == param.KEYWORD_ONLY
+                and hasattr(dl, name)):
+            extra[name] = getattr(dl, name)
+    return extra
+
+
 def loader_arguments(source: Any, batch_size: int | None = None) -> tuple[type, dict[str, Any]]:
     """The loader class and keyword arguments that reproduce ``source`` at any num_workers.
 
     ``source`` is a Dataset (then torchfeed's DataLoader is used) or a
     DataLoader, whose dataset, batching, sampler, collate_fn, pinning,
-    timeout, worker_init_fn, context, generator and persistence are kept.
+    timeout, worker_init_fn, context, generator, persistence and the
+    keyword-only options of its own class (torchfeed's ``transport``, say) are
+    kept.
     ``num_workers`` and ``prefetch_factor`` are left for the caller.
     """
     if not isinstance(source, DataLoader):
@@ -175,6 +193,7 @@ def loader_arguments(source: Any, batch_size: int | None = None) -> tuple[type, 
     }
     if not _is_default_collate(dl.collate_fn):
         kwargs["collate_fn"] = dl.collate_fn
+    kwargs.update(_extra_options(dl))
     iterable = isinstance(dl.dataset, IterableDataset)
     if batch_size is not None or dl.batch_size is not None:
         if batch_size is not None and dl.batch_size is None and dl.batch_sampler is not None:
