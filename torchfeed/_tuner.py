@@ -11,6 +11,7 @@ command-line front end (:mod:`torchfeed.tune.__main__`).
 from __future__ import annotations
 
 import inspect
+import os
 import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
@@ -295,6 +296,10 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
     if plot is not None:
         _pyplot()  # fail before minutes of measuring, not after
     cores = cpu_count()
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = 0.0
     max_workers = cores if max_workers is None else max_workers
     if max_workers < 0:
         raise ValueError(f"max_workers must be 0 or more, got {max_workers}")
@@ -303,6 +308,12 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
         raise ValueError(f"prefetch_factors must be at least 1, got {list(prefetch_factors)}")
     cls, base = loader_arguments(dataset_or_loader, batch_size)
     notes = []
+    if load >= 0.5 * cores:
+        # Workers need idle cores; on a busy machine the sweep measures the
+        # other programs as much as the loader.
+        notes.append(f"the machine was busy when the tuner started (1-min load average "
+                     f"{load:.1f} on {cores} cores): worker settings are understated; "
+                     "tune again on a quiet machine")
     if not isinstance(dataset_or_loader, DataLoader) and batch_size is None:
         notes.append("batch_size not given: measured with torch's default of 1")
 
