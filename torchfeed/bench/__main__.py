@@ -80,7 +80,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     command = command_line(None if argv is None else [sys.argv[0], *argv])
     info = machine_info()
-    results = run_comparison(config)
+    try:
+        results = run_comparison(config)
+    except KeyboardInterrupt:
+        # The run in flight has already shut its workers down on the way out.
+        print("torchfeed.bench: interrupted; no table", file=sys.stderr)
+        return 130
     try:
         end_load = os.getloadavg()[0]
     except OSError:

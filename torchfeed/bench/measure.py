@@ -14,6 +14,8 @@ time loaders through :func:`time_loader`, so their figures mean the same thing:
 - ``peak_rss_bytes``: the largest sum of the RSS of this process and of the
   child processes started during the run (pages shared between processes are
   counted once per process, as RSS does);
+- ``start_rss_bytes``: this process's RSS before the run, so that what the
+  loader added is ``peak_mem_bytes - start_rss_bytes``;
 - ``peak_shm_bytes``: the largest growth of ``/dev/shm`` use over its level when
   the run started.  It is machine-wide, so other programs using shared memory
   at the same time show up in it.
@@ -110,6 +112,7 @@ class MemorySampler(threading.Thread):
         self._children = _ChildTracker(ignore=child_pids())
         self._procs: dict[int, psutil.Process] = {}
         self._shm_base = shm_used_bytes()
+        self.start_rss_bytes = self._proc.memory_info().rss
         self._stop_event = threading.Event()
         self.peak_rss_bytes = 0
         self.peak_shm_bytes = 0
@@ -153,6 +156,9 @@ class Timing:
     cpu_us_per_batch: float
     peak_rss_bytes: int
     peak_shm_bytes: int
+    # The main process alone before the run: peak_mem_bytes minus this is what
+    # the loader itself added, which the peak hides behind the process's size.
+    start_rss_bytes: int = 0
     epochs_started: int = 1
     leftover_processes: int = 0
 
@@ -250,6 +256,7 @@ def time_loader(make_loader: Callable[[], Iterable], *, batches: int | None = No
         cpu_us_per_batch=max(0.0, cpu) / count * 1e6 if count else 0.0,
         peak_rss_bytes=sampler.peak_rss_bytes,
         peak_shm_bytes=max(0, sampler.peak_shm_bytes),
+        start_rss_bytes=sampler.start_rss_bytes,
         epochs_started=epochs,
         leftover_processes=leftover,
     )
