@@ -109,6 +109,18 @@ def test_loader_arguments_other_batching_modes():
     assert bare[0] is torchfeed.DataLoader and bare[1] == {"dataset": dataset, "batch_size": 1}
 
 
+@pytest.mark.timeout(60)
+def test_torchfeed_tune_stays_callable_after_the_cli_is_imported():
+    # Importing the torchfeed.tune package rebinds the name torchfeed.tune from
+    # the function to the package; the package must then work as the function.
+    import torchfeed.tune as tune_package
+
+    assert torchfeed.tune is tune_package and callable(torchfeed.tune)
+    result = torchfeed.tune(tune_helper.TinyDataset(), batch_size=4, seconds=0.1,
+                            max_workers=0, progress=False, verbose=False)
+    assert result.num_workers == 0 and "only setting tried" in result.reason
+
+
 def _row(workers, factor, rate):
     return TuneRow(workers, factor, batches_per_s=rate, first_batch_s=0.1,
                    cpu_us_per_batch=100.0, peak_mem_bytes=1, batches=50)

@@ -251,8 +251,10 @@ def recommend(rows: Sequence[TuneRow], cores: int,
                       f"worker count: the best with workers ({_workers(top.num_workers)}) "
                       f"gives {gain(top)}, within the {margin} margin or worse. Loading a batch "
                       "in-process costs less than moving it from a worker")
-        else:
+        elif any(r.num_workers for r in rows):
             reason = "num_workers=0 was the only setting that worked"
+        else:
+            reason = "num_workers=0 was the only setting tried"
     elif not more:
         if pick.num_workers >= cores:
             advice = ("all usable cores): loading is CPU-bound, so more cores or cheaper "
