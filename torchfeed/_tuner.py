@@ -240,8 +240,11 @@ def recommend(rows: Sequence[TuneRow], cores: int,
             by_workers[r.num_workers] = r
     margin = f"{tolerance:.0%}"
 
-    def gain(r: TuneRow) -> str:
-        return f"{(r.batches_per_s / pick.batches_per_s - 1):+.0%}"
+    def versus(r: TuneRow) -> str:
+        change = r.batches_per_s / pick.batches_per_s - 1
+        if change > 0:
+            return f"is only {change:.0%} faster, within the {margin} margin"
+        return f"is {-change:.0%} slower"
 
     more = [by_workers[n] for n in sorted(by_workers) if n > pick.num_workers]
     if pick.num_workers == 0:
@@ -249,8 +252,8 @@ def recommend(rows: Sequence[TuneRow], cores: int,
             top = max(more, key=lambda r: r.batches_per_s)
             reason = (f"num_workers=0 ({pick.batches_per_s:.1f} batches/s) is as fast as any "
                       f"worker count: the best with workers ({_workers(top.num_workers)}) "
-                      f"gives {gain(top)}, within the {margin} margin or worse. Loading a batch "
-                      "in-process costs less than moving it from a worker")
+                      f"{versus(top)}. Loading a batch in-process costs less than moving it "
+                      "from a worker")
         elif any(r.num_workers for r in rows):
             reason = "num_workers=0 was the only setting that worked"
         else:
@@ -266,17 +269,16 @@ def recommend(rows: Sequence[TuneRow], cores: int,
         nxt = more[0]
         verb = "drops" if nxt.batches_per_s < pick.batches_per_s else "stops growing"
         reason = (f"throughput {verb} after {_workers(pick.num_workers)}: with "
-                  f"{_workers(nxt.num_workers)} it changes by {gain(nxt)}, within the {margin} "
-                  "margin or worse")
+                  f"{_workers(nxt.num_workers)} it {versus(nxt)}")
     zero = by_workers.get(0)
     if zero is not None and pick.num_workers > 0:
-        reason += f"; {pick.batches_per_s / zero.batches_per_s:.1f}x num_workers=0"
+        reason += f"; {pick.batches_per_s / zero.batches_per_s:.1f}x the throughput of num_workers=0"
     if pick.num_workers > 0:
         others = [r for r in ok if r.num_workers == pick.num_workers and r is not pick]
         if others:
             top = max(others, key=lambda r: r.batches_per_s)
-            reason += (f". prefetch_factor={pick.prefetch_factor}: "
-                       f"{top.prefetch_factor} changes throughput by {gain(top)}")
+            reason += (f". prefetch_factor={pick.prefetch_factor}, as "
+                       f"prefetch_factor={top.prefetch_factor} {versus(top)}")
     return pick, reason + "."
 
 
