@@ -131,7 +131,8 @@ def test_recommend_takes_the_fewest_workers_near_the_best():
             _row(2, 2, 300.0), _row(2, 4, 290.0), _row(3, 2, 305.0), _row(4, 2, 200.0)]
     pick, reason = recommend(rows, cores=4)
     assert (pick.num_workers, pick.prefetch_factor) == (2, 2)
-    assert "stops growing after 2 workers" in reason and "3.0x the throughput of num_workers=0" in reason
+    assert "stops growing after 2 workers" in reason
+    assert "3.0x the throughput of num_workers=0" in reason
 
     pick, reason = recommend([_row(0, None, 100.0), _row(1, 2, 60.0)], cores=1)
     assert pick.num_workers == 0 and "num_workers=0" in reason

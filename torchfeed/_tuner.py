@@ -236,7 +236,8 @@ def recommend(rows: Sequence[TuneRow], cores: int,
                key=lambda r: (r.num_workers, r.prefetch_factor or 0))
     by_workers: dict[int, TuneRow] = {}
     for r in ok:
-        if r.num_workers not in by_workers or r.batches_per_s > by_workers[r.num_workers].batches_per_s:
+        known = by_workers.get(r.num_workers)
+        if known is None or r.batches_per_s > known.batches_per_s:
             by_workers[r.num_workers] = r
     margin = f"{tolerance:.0%}"
 
@@ -272,7 +273,8 @@ def recommend(rows: Sequence[TuneRow], cores: int,
                   f"{_workers(nxt.num_workers)} it {versus(nxt)}")
     zero = by_workers.get(0)
     if zero is not None and pick.num_workers > 0:
-        reason += f"; {pick.batches_per_s / zero.batches_per_s:.1f}x the throughput of num_workers=0"
+        speedup = pick.batches_per_s / zero.batches_per_s
+        reason += f"; {speedup:.1f}x the throughput of num_workers=0"
     if pick.num_workers > 0:
         others = [r for r in ok if r.num_workers == pick.num_workers and r is not pick]
         if others:

@@ -192,8 +192,9 @@ def time_loader(make_loader: Callable[[], Iterable], *, batches: int | None = No
     ``make_loader`` builds the loader here, so that this function holds its
     only reference and can shut it down (persistent workers included) before
     returning.  The wall time starts at ``iter(loader)``, not at construction,
-    as a training loop's first batch does.  With ``restart_epochs`` an epoch that ends early is followed by a new
-    ``iter(loader)`` (its start-up time counts, as it would in training);
+    as a training loop's first batch does.  With ``restart_epochs`` an epoch
+    that ends early is followed by a new ``iter(loader)`` (its start-up time
+    counts, as it would in training);
     without it, running out of batches is an error, because the caller sized
     the dataset for the run.  Afterwards the iterator is dropped and this
     waits for the processes the run started to exit, so that the next run

@@ -185,7 +185,8 @@ WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
         Workload("small", "16 float32 + int label per sample, batch 64", SmallDataset, 64, 500),
-        Workload("image", "uint8 3x224x224 + int label per sample, batch 64", ImageDataset, 64, 150),
+        Workload("image", "uint8 3x224x224 + int label per sample, batch 64",
+                 ImageDataset, 64, 150),
         Workload("dict30", "dict of 32 small tensors (4 dtypes) per sample, batch 64",
                  DictDataset, 64, 60),
         Workload("numpy", "numpy record split into 5 arrays/scalars per sample, batch 64",
