@@ -141,7 +141,7 @@ class NumpyRecordDataset(_PooledDataset):
 
 
 class CpuHeavyDataset(_PooledDataset):
-    """Per-sample Python compute (about 2 ms on a current x86 core) then a small tensor.
+    """Per-sample Python compute (1-2 ms on a current x86 core), then a small tensor.
 
     Stands in for decoding and augmentation.  The work is a fixed number of
     iterations, not a fixed time, so the dataset stays deterministic and a
@@ -191,7 +191,7 @@ WORKLOADS: dict[str, Workload] = {
                  DictDataset, 64, 60),
         Workload("numpy", "numpy record split into 5 arrays/scalars per sample, batch 64",
                  NumpyRecordDataset, 64, 250),
-        Workload("cpu_heavy", "~2 ms of Python compute per sample, batch 16",
+        Workload("cpu_heavy", "1-2 ms of Python compute per sample, batch 16",
                  CpuHeavyDataset, 16, 80),
     ]
 }
