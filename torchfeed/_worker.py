@@ -17,9 +17,11 @@ Two rules keep the main process from ever hanging on a worker:
 from __future__ import annotations
 
 import faulthandler
+import io
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -91,6 +93,18 @@ def _watch_main_process(main_pid: int, parent_pid: int) -> None:
     os._exit(0)
 
 
+def _enable_crash_traces() -> None:
+    """Make a segfault print the worker's Python stack.  Under pytest's capsys or
+    in some notebooks ``sys.stderr`` has no file descriptor; fall back to fd 2
+    rather than let the worker die before its first task."""
+    for target in (sys.stderr, sys.__stderr__, 2):
+        try:
+            faulthandler.enable(file=target)
+            return
+        except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+            continue
+
+
 def _serialize(send_idx: int, payload, worker_id: int, task: Task | None):
     """The result message: (send_idx, worker_id, pickled payload).
 
@@ -116,7 +130,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     # Ctrl-C reaches the whole process group; the main process decides when
     # workers stop, so a worker must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    faulthandler.enable()  # a segfault prints the worker's Python stack to stderr
+    _enable_crash_traces()
     parent_pid = os.getppid()
     threading.Thread(target=_watch_main_process, args=(spec.main_pid, parent_pid),
                      name="torchfeed-watchdog", daemon=True).start()
