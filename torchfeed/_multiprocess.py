@@ -330,6 +330,7 @@ class MultiProcessIterator(BaseIterator):
 
     def __del__(self) -> None:
         try:
+            self._stats.stop()  # the epoch ended here, not after the shutdown
             self._shutdown_workers()
         except Exception:
             pass  # interpreter teardown: modules may already be gone

@@ -73,6 +73,12 @@ class IteratorStats:
             self.wait += self.end - t0
             self._read_live()
 
+    def stop(self) -> None:
+        """The iterator is being dropped mid-epoch: stop the clock before its shutdown."""
+        if self.end is None:
+            self.end = perf_counter()
+            self._read_live()
+
     # -- epochs --------------------------------------------------------------
     def begin(self, epoch: int) -> None:
         it = self._iterator()
@@ -154,7 +160,7 @@ class IteratorStats:
             self._window = (now, self.wait, self.yielded)
             window = max(now - t_prev, 1e-9)
             logger.info(
-                "torchfeed: %d batches | data stall %.1f%% (last %d: %.1f%%) | %.1f batches/s"
+                "%d batches | data stall %.1f%% (last %d: %.1f%%) | %.1f batches/s"
                 " | slowest %s | in flight %d, ready %d",
                 s["batches_yielded"], 100 * s["stall_fraction"], self.yielded - n_prev,
                 100 * min(1.0, (self.wait - wait_prev) / window),
@@ -301,5 +307,5 @@ def _make_visible() -> None:
         logger.setLevel(logging.INFO)
     if not logger.hasHandlers():
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.setFormatter(logging.Formatter("torchfeed: %(message)s"))
         logger.addHandler(handler)
