@@ -11,9 +11,12 @@ that yields more batches than its ``len()`` promised gets torch's warning.
 from __future__ import annotations
 
 import warnings
+from time import perf_counter
 
 import torch
 from torch.utils.data import IterableDataset
+
+from ._stats import IteratorStats
 
 
 def pin_memory_plan(loader) -> tuple[bool, str | None]:
@@ -55,6 +58,7 @@ class BaseIterator:
         self._pin_memory, self._pin_memory_device = pin_memory_plan(loader)
         self._IterableDataset_len_called = loader._IterableDataset_len_called
         self._epoch = 0
+        self._stats = IteratorStats(self, loader)
         self._start_stream()
         self._base_seed = int(torch.empty((), dtype=torch.int64)
                               .random_(generator=loader.generator).item())
@@ -86,7 +90,13 @@ class BaseIterator:
         raise NotImplementedError
 
     def __next__(self):
-        data = self._next_data()
+        t0 = perf_counter()
+        try:
+            data = self._next_data()
+        except StopIteration:
+            self._stats.finish(t0)
+            raise
+        self._stats.on_yield(t0)
         self._num_yielded += 1
         if (self._is_iterable and self._IterableDataset_len_called is not None
                 and self._num_yielded > self._IterableDataset_len_called):

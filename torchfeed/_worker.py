@@ -3,8 +3,9 @@
 A worker seeds itself as torch does, publishes ``get_worker_info()``, runs
 ``worker_init_fn``, then answers tasks from its own index queue until told to
 stop.  Each answer is one message on the shared result queue:
-``(send_idx, payload)``, where payload is the packed batch, a ``WorkerFailure``
-or an ``IterableExhausted`` marker.
+``(send_idx, worker_id, pickled payload, seconds)``, where payload is the packed
+batch, a ``WorkerFailure`` or an ``IterableExhausted`` marker, and seconds is the
+time fetch + collate + pack + pickle took (for ``DataLoader.stats()``).
 
 Two rules keep the main process from ever hanging on a worker:
 
@@ -171,17 +172,19 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 exhausted = False
                 fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
                                          spec.collate_fn, spec.drop_last)
-                result_queue.put((task, worker_id, None))
+                result_queue.put((task, worker_id, None, 0.0))
                 continue
             if exhausted:
                 continue  # the main process stops sending once it hears we ended
+            start = time.perf_counter()
             if init_failure is not None:
                 payload, init_failure = init_failure, None
             else:
                 payload = _run_task(task, fetcher, spec, worker_id, epoch, packer)
                 if isinstance(payload, IterableExhausted):
                     exhausted = True
-            result_queue.put(_serialize(task.send_idx, payload, worker_id, task))
+            message = _serialize(task.send_idx, payload, worker_id, task)
+            result_queue.put((*message, time.perf_counter() - start))  # + busy time, for stats
             del payload, task
     finally:
         # Whatever is still buffered is for an iterator that is going away;
