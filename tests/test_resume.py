@@ -371,3 +371,20 @@ def test_generator_mismatch_and_sampler_mismatch_are_refused():
     state = loader.state_dict()
     with pytest.raises(ValueError, match="sampler_state"):
         make_for("user-without-state")().load_state_dict(state)
+
+
+def test_a_copied_loader_keeps_its_epoch_count_and_a_loaded_state():
+    import copy
+    import pickle
+    make = make_for("shuffle-generator")
+    loader = make()
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    clone = pickle.loads(pickle.dumps(loader))
+    assert clone.state_dict()["epoch"] == 1  # its next iter() starts the next epoch
+    resumed = make()
+    resumed.load_state_dict(state)
+    for twin in (copy.deepcopy(resumed), pickle.loads(pickle.dumps(resumed))):
+        assert twin.state_dict() == state
+        assert len([ids(b) for b in twin]) == L - 1

@@ -12,11 +12,13 @@ yields more batches than its ``len()`` promised gets torch's warning.
 from __future__ import annotations
 
 import warnings
+from time import perf_counter
 
 import torch
 from torch.utils.data import IterableDataset
 
 from ._index_stream import IndexStream
+from ._stats import IteratorStats
 
 
 def pin_memory_plan(loader) -> tuple[bool, str | None]:
@@ -57,6 +59,8 @@ class BaseIterator:
         self._persistent_workers = loader.persistent_workers
         self._pin_memory, self._pin_memory_device = pin_memory_plan(loader)
         self._IterableDataset_len_called = loader._IterableDataset_len_called
+        self._epoch = 0
+        self._stats = IteratorStats(self, loader)
         self._stream = IndexStream(loader)
         self._start_stream(fresh=True)  # also draws the base seed, or restores a resumed one
         self._base_seed = self._stream.base_seed
@@ -84,13 +88,16 @@ class BaseIterator:
         raise NotImplementedError
 
     def __next__(self):
+        t0 = perf_counter()
         try:
             while self._stream.reread:  # a resumed IterableDataset without state
                 self._next_data()
             data = self._next_data()
         except StopIteration:
             self._stream.finish()
+            self._stats.finish(t0)
             raise
+        self._stats.on_yield(t0)
         self._num_yielded += 1
         if (self._is_iterable and self._IterableDataset_len_called is not None
                 and self._num_yielded > self._IterableDataset_len_called):

@@ -195,7 +195,7 @@ class MultiProcessIterator(BaseIterator):
             return False, None
         if self._result_reader in ready or self._result_reader.poll(0):
             try:
-                send_idx, worker_id, blob = self._result_queue.get(block=False)
+                send_idx, worker_id, blob, seconds = self._result_queue.get(block=False)
             except queue.Empty:
                 return False, None
             if blob is None:  # an acknowledgement, e.g. ResumeIteration
@@ -210,6 +210,7 @@ class MultiProcessIterator(BaseIterator):
                 raise
             if not isinstance(payload, (WorkerFailure, IterableExhausted)):
                 payload = self._unpacker.unpack(payload)
+                self._stats.on_result(worker_id, seconds)
             return True, (send_idx, payload)
         for sentinel in ready:
             worker_id = sentinels[sentinel]
@@ -335,6 +336,7 @@ class MultiProcessIterator(BaseIterator):
 
     def __del__(self) -> None:
         try:
+            self._stats.stop()  # the epoch ended here, not after the shutdown
             self._shutdown_workers()
         except Exception:
             pass  # interpreter teardown: modules may already be gone

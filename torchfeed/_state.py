@@ -65,6 +65,13 @@ class Plan:
 
     __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted")
 
+    def __getstate__(self):
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def __setstate__(self, state) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+
     def __init__(self, epoch: int, state=None, base_seed=None, worker_states=None,
                  exhausted=()) -> None:
         self.epoch = epoch
@@ -95,6 +102,16 @@ class ResumeBook:
             "num_workers": loader.num_workers,
             "persistent_workers": bool(loader.persistent_workers),
         }
+
+    def __getstate__(self):
+        # A copied or pickled loader keeps its epoch count and a pending loaded
+        # state, not the live iteration (whose sampler iterator cannot be copied):
+        # like torch's loader, the copy's next iter() starts an epoch.
+        return {"live": None, "next_epoch": self.next_epoch, "plan": self.plan,
+                "loaded": self.loaded, "header": self.header}
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
 
     @staticmethod
     def of(loader) -> "ResumeBook":

@@ -3,9 +3,11 @@
 A worker seeds itself as torch does, publishes ``get_worker_info()``, runs
 ``worker_init_fn``, then answers tasks from its own index queue until told to
 stop.  Each answer is one message on the shared result queue:
-``(send_idx, payload)``, where payload is the packed batch (for an
-IterableDataset with ``state_dict``, wrapped with the state its copy reported
-right after making it), a ``WorkerFailure`` or an ``IterableExhausted`` marker.
+``(send_idx, worker_id, pickled payload, seconds)``, where payload is the packed
+batch (for an IterableDataset with ``state_dict``, wrapped with the state its copy
+reported right after making it), a ``WorkerFailure`` or an ``IterableExhausted``
+marker, and seconds is the time fetch + collate + pack + pickle took (for
+``DataLoader.stats()``).
 
 Two rules keep the main process from ever hanging on a worker:
 
@@ -18,9 +20,11 @@ Two rules keep the main process from ever hanging on a worker:
 from __future__ import annotations
 
 import faulthandler
+import io
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -98,6 +102,18 @@ def _watch_main_process(main_pid: int, parent_pid: int) -> None:
     os._exit(0)
 
 
+def _enable_crash_traces() -> None:
+    """Make a segfault print the worker's Python stack.  Under pytest's capsys or
+    in some notebooks ``sys.stderr`` has no file descriptor; fall back to fd 2
+    rather than let the worker die before its first task."""
+    for target in (sys.stderr, sys.__stderr__, 2):
+        try:
+            faulthandler.enable(file=target)
+            return
+        except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+            continue
+
+
 def _serialize(send_idx: int, payload, worker_id: int, task: Task | None):
     """The result message: (send_idx, worker_id, pickled payload).
 
@@ -123,7 +139,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     # Ctrl-C reaches the whole process group; the main process decides when
     # workers stop, so a worker must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    faulthandler.enable()  # a segfault prints the worker's Python stack to stderr
+    _enable_crash_traces()
     parent_pid = os.getppid()
     threading.Thread(target=_watch_main_process, args=(spec.main_pid, parent_pid),
                      name="torchfeed-watchdog", daemon=True).start()
@@ -172,17 +188,19 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 exhausted = False
                 fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
                                          spec.collate_fn, spec.drop_last)
-                result_queue.put((task, worker_id, None))
+                result_queue.put((task, worker_id, None, 0.0))
                 continue
             if exhausted:
                 continue  # the main process stops sending once it hears we ended
+            start = time.perf_counter()
             if init_failure is not None:
                 payload, init_failure = init_failure, None
             else:
                 payload = _run_task(task, fetcher, spec, worker_id, epoch, packer)
                 if isinstance(payload, IterableExhausted):
                     exhausted = True
-            result_queue.put(_serialize(task.send_idx, payload, worker_id, task))
+            message = _serialize(task.send_idx, payload, worker_id, task)
+            result_queue.put((*message, time.perf_counter() - start))  # + busy time, for stats
             del payload, task
     finally:
         # Whatever is still buffered is for an iterator that is going away;
