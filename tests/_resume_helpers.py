@@ -38,7 +38,7 @@ class SlowFirst(Ids):
     def __getitem__(self, i):
         if i == 0:
             import time
-            time.sleep(0.4)
+            time.sleep(0.8)
         return super().__getitem__(i)
 
 

@@ -12,9 +12,8 @@ from torch.utils.data import (BatchSampler, RandomSampler, SequentialSampler, Su
 
 from torchfeed import DataLoader
 
-from _resume_helpers import (SEED, Augmented, EagerGlobalSampler, EpochSampler, Ids, PositionSampler,
-                             SlowFirst,
-                             check_resume, ids, roundtrip)
+from _resume_helpers import (SEED, Augmented, EagerGlobalSampler, EpochSampler, Ids,
+                             PositionSampler, SlowFirst, check_resume, ids)
 
 N, BS = 11, 3          # 4 batches an epoch, the last one short
 L = -(-N // BS)
