@@ -32,6 +32,7 @@ def gen(seed=7):
 SAMPLERS = {
     "shuffle": lambda ds: dict(shuffle=True),
     "shuffle-generator": lambda ds: dict(shuffle=True, generator=gen()),
+    "shuffle-drop_last": lambda ds: dict(shuffle=True, generator=gen(), drop_last=True),
     "sequential": lambda ds: dict(sampler=SequentialSampler(ds)),
     "random-replacement": lambda ds: dict(sampler=RandomSampler(ds, replacement=True,
                                                                 num_samples=13)),
@@ -234,6 +235,21 @@ def test_seed_per_batch_augmentations_same_for_any_num_workers_and_after_resume(
     # resume (also elastic): the augmentations after resume are the uninterrupted ones
     check_resume(make(2), 3, epochs=2, make_resumed=make(0))
     check_resume(make(0), 5, epochs=2, make_resumed=make(2))
+    persistent = lambda: DataLoader(Augmented(8), batch_size=2, shuffle=True, generator=gen(),
+                                    num_workers=2, persistent_workers=True, seed_per_batch=True)
+    check_resume(persistent, 5, epochs=2)
+
+
+@pytest.mark.timeout(60)
+def test_shuffle_order_does_not_depend_on_num_workers():
+    for use_generator in (True, False):
+        runs = []
+        for w in (0, 1, 2):
+            torch.manual_seed(SEED)
+            loader = DataLoader(Ids(N), batch_size=BS, shuffle=True, num_workers=w,
+                                generator=gen() if use_generator else None)
+            runs.append([ids(b) for _ in range(2) for b in loader])
+        assert runs[0] == runs[1] == runs[2]
 
 
 # -- cost -------------------------------------------------------------------------------------
