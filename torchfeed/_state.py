@@ -32,7 +32,15 @@ The format (version 1), plain values only, so it survives ``json`` and
 
 RNG states are base64 strings of the generators' byte states.  ``load_state_dict``
 checks everything it can up front and raises ``ValueError`` naming the field and
-both values; the state then takes effect at the next ``iter()``.
+both values; the state then takes effect at the next ``iter()``.  One exception:
+a finished epoch is replayed (indices only) inside ``load_state_dict``, so the
+loader's and the sampler's generators, and a stateful sampler, are where the
+uninterrupted run had them before the user's loop calls ``set_epoch`` again.
+
+Who else draws from the global RNG is the training loop's business: without a
+``generator``, the epoch in progress is replayed from the state alone, and later
+epochs draw from the global RNG as torch does, so they match the uninterrupted
+run when the checkpoint also restores ``torch.get_rng_state()``.
 """
 from __future__ import annotations
 
