@@ -21,6 +21,13 @@ from ._pin_memory import pin_memory
 class SingleProcessIterator(BaseIterator):
     def __init__(self, loader) -> None:
         super().__init__(loader)
+        if self._timeout != 0:
+            # torch accepts the argument and fails here, with an AssertionError,
+            # after drawing the base seed; keep the type and the RNG draw.
+            raise AssertionError(
+                f"timeout={self._timeout} needs worker processes: a DataLoader with "
+                "num_workers=0 loads in the calling thread and cannot time out. Set "
+                "timeout=0, or num_workers > 0.")
         self._seed_per_batch = getattr(loader, "seed_per_batch", False)
         self._make_fetcher()
 
