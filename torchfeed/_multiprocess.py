@@ -197,10 +197,15 @@ class MultiProcessIterator(BaseIterator):
                 return True, (send_idx, None)
             try:
                 payload = pickle.loads(blob)
-            except Exception:
+            except Exception as exc:
                 # torch's transport hands tensors over as file descriptors
-                # fetched from the sender; a sender that died cannot.
-                if not self._workers[worker_id].is_alive():
+                # fetched from the sender; a sender that died cannot.  Its
+                # sockets close before it can be reaped, so give a dying
+                # sender a moment to be seen as dead.
+                process = self._workers[worker_id]
+                if isinstance(exc, (OSError, EOFError)):
+                    process.join(timeout=1.0)
+                if not process.is_alive():
                     self._raise_dead_worker(worker_id)
                 raise
             if not isinstance(payload, (WorkerFailure, IterableExhausted)):
