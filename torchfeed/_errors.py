@@ -95,7 +95,13 @@ class WorkerFailure:
             # Types whose constructor wants other arguments cannot be rebuilt
             # from a message; torch falls back to RuntimeError too.
             raise RuntimeError(msg) from None
-        raise exc
+        try:
+            raise exc
+        finally:
+            # This frame sits in exc's traceback; holding exc here would make a
+            # cycle that keeps the iterator (and its workers) alive until the
+            # garbage collector runs, long after the caller dropped it.
+            del exc
 
 
 _SIGNAL_HINTS = {
