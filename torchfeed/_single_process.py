@@ -34,6 +34,10 @@ class SingleProcessIterator(BaseIterator):
     def _make_fetcher(self) -> None:
         self._fetcher = create_fetcher(self._is_iterable, self._dataset, self._auto_collation,
                                        self._collate_fn, self._drop_last)
+        if self._is_iterable:
+            # torch calls the dataset's __iter__ when the iterator is made, so
+            # an error from it is raised by iter(loader), not the first next().
+            self._fetcher._stream()
 
     def _reset(self, loader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
