@@ -90,6 +90,9 @@ class MultiProcessIterator(BaseIterator):
         try:
             for worker_id in range(self._num_workers):
                 self._start_worker(ctx, spec, worker_id)
+            # The pin thread calls _receive at once, which reads the per-epoch
+            # book-keeping: start it only once _reset has set that up.
+            self._reset(loader, first_iter=True)
             if self._pin_memory or (loader.pin_memory and pass_through_requested()):
                 index = torch.accelerator.current_device_index() if self._pin_memory else None
                 self._pin_thread = PinMemoryThread(self._receive, self._pin_memory_device,
@@ -97,7 +100,6 @@ class MultiProcessIterator(BaseIterator):
         except BaseException:
             self._shutdown_workers()
             raise
-        self._reset(loader, first_iter=True)
 
     def _start_worker(self, ctx, spec: WorkerSpec, worker_id: int) -> None:
         index_queue = ctx.Queue()
