@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -137,8 +139,9 @@ def test_iterable_workers_retire_repeatedly():
 
 # -- the main process goes away ----------------------------------------------------------------
 def _main_that_gets_killed(conn, delay):
-    """A training 'main process' (forked from the test, so no fresh torch
-    import): it starts a loader, reports its workers' pids, and iterates."""
+    """A training 'main process' forked from the test (no fresh torch import,
+    so cheap enough to run in several variants): it starts a loader, reports
+    its workers' pids, and iterates."""
     loader = torchfeed.DataLoader(SleepDataset(10000, delay=delay), batch_size=2, num_workers=2)
     it = iter(loader)
     conn.send([p.pid for p in live_children()])
@@ -151,6 +154,48 @@ def _gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def _assert_exit_within_2s(pids, kill_main):
+    time.sleep(0.3)  # let the workers get going (or get stuck in __getitem__)
+    assert not any(_gone(p) for p in pids)
+    kill_main()
+    start = time.monotonic()
+    while not all(_gone(p) for p in pids) and time.monotonic() - start < 5:
+        time.sleep(0.02)
+    elapsed = time.monotonic() - start
+    alive = [p for p in pids if not _gone(p)]
+    for p in alive:  # leave nothing for the next test
+        os.kill(p, signal.SIGKILL)
+    assert not alive and elapsed <= 2.0, f"workers took {elapsed:.2f}s, alive: {alive}"
+
+
+MAIN_SCRIPT = """
+import sys, psutil, torchfeed
+from sample_datasets import SleepDataset
+loader = torchfeed.DataLoader(SleepDataset(100, delay=60.0), batch_size=2, num_workers=2)
+it = iter(loader)  # the workers start, and get stuck in __getitem__
+print(" ".join(str(p.pid) for p in psutil.Process().children()), flush=True)
+next(it)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_workers_exit_within_2s_when_main_script_is_sigkilled():
+    # A fresh interpreter as the main process, its workers busy in __getitem__.
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(torchfeed.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, tests_dir]))
+    main = subprocess.Popen([sys.executable, "-c", MAIN_SCRIPT], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = main.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2, (line, main.stderr.read() if main.poll() is not None else "")
+        _assert_exit_within_2s(pids, main.kill)
+    finally:
+        main.kill()
+        main.communicate()
 
 
 @pytest.mark.timeout(60)
@@ -166,17 +211,7 @@ def test_workers_exit_within_2s_when_main_is_sigkilled(delay):
         assert ours.poll(30), "the main process did not start its workers"
         pids = ours.recv()
         assert len(pids) == 2
-        time.sleep(0.3)  # let the workers get going (or get stuck in __getitem__)
-        assert not any(_gone(p) for p in pids)
-        os.kill(main.pid, signal.SIGKILL)
-        start = time.monotonic()
-        while not all(_gone(p) for p in pids) and time.monotonic() - start < 5:
-            time.sleep(0.02)
-        elapsed = time.monotonic() - start
-        alive = [p for p in pids if not _gone(p)]
-        for p in alive:  # leave nothing for the next test
-            os.kill(p, signal.SIGKILL)
-        assert not alive and elapsed <= 2.0, f"workers took {elapsed:.2f}s, alive: {alive}"
+        _assert_exit_within_2s(pids, main.kill)
     finally:
         main.kill()
         main.join(5)
