@@ -150,6 +150,20 @@ def test_unpicklable_sample_names_its_path():
     assert len(got) == 2
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:Got pickle error")  # torch warns too; we explain in the error
+def test_spawn_with_unpicklable_collate_fn_names_it():
+    def local_collate(batch):  # a local function: spawn cannot pickle it
+        return batch
+
+    kwargs = dict(num_workers=2, multiprocessing_context="spawn", collate_fn=local_collate)
+    theirs, _ = raised(torch.utils.data.DataLoader, RangeDataset(4), **kwargs)
+    ours, _ = raised(torchfeed.DataLoader, RangeDataset(4), **kwargs)
+    assert type(ours) is type(theirs)
+    assert "could not start worker 0 with the 'spawn' start method" in str(ours)
+    assert "collate_fn" in str(ours) and "module level" in str(ours)
+
+
 # -- timeout ---------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("timeout", [1, 0.5])
