@@ -59,6 +59,7 @@ def test_thread_passes_batches_through(pass_through, in_order):
     del it
 
 
+@pytest.mark.timeout(60)
 def test_no_thread_without_the_switch():
     if HAS_ACCELERATOR:
         pytest.skip("with an accelerator the thread always runs")
