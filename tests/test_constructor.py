@@ -166,8 +166,7 @@ def test_attributes_equal_torchs(config):
     for name in ("sampler", "batch_sampler"):
         a, b = getattr(theirs, name), getattr(ours, name)
         assert type(a) is type(b), name
-        if "sampler" in kwargs and name == "sampler" or "batch_sampler" in kwargs and \
-                name == "batch_sampler":
+        if name in kwargs:
             assert b is kwargs[name]
     if isinstance(ours.batch_sampler, BatchSampler):
         assert ours.batch_sampler.batch_size == theirs.batch_sampler.batch_size
