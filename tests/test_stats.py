@@ -249,9 +249,6 @@ def test_shared_memory_figures_come_from_the_transport():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(raises=(AttributeError, RuntimeError), strict=False,
-                   reason="core bug: the pin-memory thread starts before _reset() sets "
-                          "_workers_status (MultiProcessIterator.__init__)")
 def test_pin_memory_thread_path(monkeypatch):
     # No accelerator here: the pin thread runs as a pass-through (pins nothing).
     monkeypatch.setenv("TORCHFEED_PIN_THREAD_WITHOUT_ACCELERATOR", "1")

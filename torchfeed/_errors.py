@@ -19,10 +19,23 @@ import traceback
 
 
 
+def _index_list(indices):
+    """A task's sample indices as a list.  Without automatic batching
+    (``batch_size=None``) a task holds one index, which may be an int or any
+    other key the sampler yields; a batch sampler may yield arrays or tensors."""
+    if indices is None:
+        return None
+    if hasattr(indices, "tolist") and not isinstance(indices, (str, bytes)):
+        indices = indices.tolist()
+    if isinstance(indices, (list, tuple, range)):
+        return list(indices)
+    return [indices]
+
+
 def _format_indices(indices, limit: int = 16) -> str:
     if indices is None:
         return "none"
-    indices = list(indices)
+    indices = _index_list(indices)
     shown = ", ".join(repr(i) for i in indices[:limit])
     more = f", ... ({len(indices)} in all)" if len(indices) > limit else ""
     return f"[{shown}{more}]"
@@ -43,7 +56,7 @@ class WorkerFailure:
                  batch_index: int | None = None):
         self.worker_id = worker_id
         self.where = where
-        self.indices = None if indices is None else list(indices)
+        self.indices = _index_list(indices)
         self.batch_index = batch_index
         self.exc_name = type(exc).__name__
         self.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -82,7 +95,13 @@ class WorkerFailure:
             # Types whose constructor wants other arguments cannot be rebuilt
             # from a message; torch falls back to RuntimeError too.
             raise RuntimeError(msg) from None
-        raise exc
+        try:
+            raise exc
+        finally:
+            # This frame sits in exc's traceback; holding exc here would make a
+            # cycle that keeps the iterator (and its workers) alive until the
+            # garbage collector runs, long after the caller dropped it.
+            del exc
 
 
 _SIGNAL_HINTS = {

@@ -47,7 +47,9 @@ def pin_memory_plan(loader) -> tuple[bool, str | None]:
 
 class BaseIterator:
     def __init__(self, loader) -> None:
-        self._loader = loader
+        # No reference to the loader is kept: with persistent workers the
+        # loader holds its iterator, and a cycle would keep the workers alive
+        # after `del loader` until the garbage collector ran.
         self._dataset = loader.dataset
         self._is_iterable = isinstance(loader.dataset, IterableDataset)
         self._auto_collation = loader._auto_collation

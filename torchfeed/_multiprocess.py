@@ -94,6 +94,9 @@ class MultiProcessIterator(BaseIterator):
         try:
             for worker_id in range(self._num_workers):
                 self._start_worker(ctx, spec, worker_id)
+            # The pin thread calls _receive at once, which reads the per-epoch
+            # book-keeping: start it only once _reset has set that up.
+            self._reset(loader, first_iter=True)
             if self._pin_memory or (loader.pin_memory and pass_through_requested()):
                 index = torch.accelerator.current_device_index() if self._pin_memory else None
                 self._pin_thread = PinMemoryThread(self._receive, self._pin_memory_device,
@@ -101,7 +104,6 @@ class MultiProcessIterator(BaseIterator):
         except BaseException:
             self._shutdown_workers()
             raise
-        self._reset(loader, first_iter=True)
 
     def _start_worker(self, ctx, spec: WorkerSpec, worker_id: int) -> None:
         index_queue = ctx.Queue()
@@ -202,10 +204,15 @@ class MultiProcessIterator(BaseIterator):
                 return True, (send_idx, None)
             try:
                 payload = pickle.loads(blob)
-            except Exception:
+            except Exception as exc:
                 # torch's transport hands tensors over as file descriptors
-                # fetched from the sender; a sender that died cannot.
-                if not self._workers[worker_id].is_alive():
+                # fetched from the sender; a sender that died cannot.  Its
+                # sockets close before it can be reaped, so give a dying
+                # sender a moment to be seen as dead.
+                process = self._workers[worker_id]
+                if isinstance(exc, (OSError, EOFError)):
+                    process.join(timeout=1.0)
+                if not process.is_alive():
                     self._raise_dead_worker(worker_id)
                 raise
             if not isinstance(payload, (WorkerFailure, IterableExhausted)):

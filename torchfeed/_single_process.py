@@ -22,6 +22,13 @@ from ._pin_memory import pin_memory
 class SingleProcessIterator(BaseIterator):
     def __init__(self, loader) -> None:
         super().__init__(loader)
+        if self._timeout != 0:
+            # torch accepts the argument and fails here, with an AssertionError,
+            # after drawing the base seed; keep the type and the RNG draw.
+            raise AssertionError(
+                f"timeout={self._timeout} needs worker processes: a DataLoader with "
+                "num_workers=0 loads in the calling thread and cannot time out. Set "
+                "timeout=0, or num_workers > 0.")
         self._seed_per_batch = getattr(loader, "seed_per_batch", False)
         self._make_fetcher()
 
@@ -34,6 +41,10 @@ class SingleProcessIterator(BaseIterator):
                                        self._collate_fn, self._drop_last)
         if resume is not None and resume[0][1]:
             self._fetcher.ended = True  # its stream ended with the last batch yielded
+        elif self._is_iterable:
+            # torch calls the dataset's __iter__ when the iterator is made, so
+            # an error from it is raised by iter(loader), not the first next().
+            self._fetcher._stream()
 
     def _reset(self, loader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)

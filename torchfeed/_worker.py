@@ -41,6 +41,7 @@ from ._index_stream import StatefulResult
 from ._pickling import describe_unpicklable
 
 POLL_INTERVAL = 0.25  # seconds between checks that the main process is alive
+FLUSH_TIMEOUT = 0.5   # seconds an exiting worker waits for its last results to be written
 
 
 @dataclass
@@ -203,10 +204,17 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             result_queue.put((*message, time.perf_counter() - start))  # + busy time, for stats
             del payload, task
     finally:
-        # Whatever is still buffered is for an iterator that is going away;
-        # waiting to flush it could block forever on a full pipe.
-        result_queue.cancel_join_thread()
+        # The result queue's write lock is shared by all workers, and this
+        # worker's feeder thread holds it while writing.  Exiting under it
+        # (a worker retired after its iterable ended exits at once) would leave
+        # the lock held forever and every other worker unable to send: let the
+        # feeder finish.  Bounded, because when the iterator is going away
+        # nobody reads, and a full pipe would block the flush forever.
         result_queue.close()
+        feeder = getattr(result_queue, "_thread", None)
+        if feeder is not None:
+            feeder.join(timeout=FLUSH_TIMEOUT)
+        result_queue.cancel_join_thread()
 
 
 def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int, packer):

@@ -1,0 +1,159 @@
+"""Helpers shared by the core test files: exact batch comparison, running the
+same configuration through torch's and torchfeed's loaders, and checking that
+nothing (process, thread, file descriptor) is left behind."""
+from __future__ import annotations
+
+import collections
+import os
+import random
+import threading
+import time
+import warnings
+
+import numpy as np
+import psutil
+import torch
+
+import torchfeed
+
+
+def assert_same(a, b, path: str = "batch") -> None:
+    """``a`` and ``b`` are equal, with the same types, all the way down."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a!r} != {b!r}"
+        assert torch.equal(a, b), f"{path}: {a!r} != {b!r}"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b), f"{path}: {a!r} != {b!r}"
+    elif isinstance(a, collections.abc.Mapping):
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
+        for key in a:
+            assert_same(a[key], b[key], f"{path}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def canonical(batch):
+    """A hashable, order-free key for a batch (for comparing as multisets)."""
+    if isinstance(batch, torch.Tensor):
+        return ("T", str(batch.dtype), tuple(batch.shape), tuple(batch.flatten().tolist()))
+    if isinstance(batch, collections.abc.Mapping):
+        return ("M", tuple((k, canonical(v)) for k, v in batch.items()))
+    if isinstance(batch, (list, tuple)):
+        return (type(batch).__name__, tuple(canonical(x) for x in batch))
+    return batch
+
+
+def batches(loader_cls, dataset, *, seed: int | None = None, epochs: int = 1, **kwargs):
+    """Every batch the loader yields, epoch by epoch (a list per epoch).
+
+    ``seed`` seeds the global torch, random and numpy RNGs first; a ``generator`` kwarg given as an
+    int becomes a fresh ``torch.Generator`` with that seed."""
+    if seed is not None:
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+    if isinstance(kwargs.get("generator"), int):
+        kwargs["generator"] = torch.Generator().manual_seed(kwargs["generator"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        loader = loader_cls(dataset, **kwargs)
+        out = [list(loader) for _ in range(epochs)]
+    return out
+
+
+def torch_and_ours(dataset, **kwargs):
+    """(torch's batches, torchfeed's batches) for the same configuration."""
+    theirs = batches(torch.utils.data.DataLoader, dataset, **kwargs)
+    ours = batches(torchfeed.DataLoader, dataset, **kwargs)
+    return theirs, ours
+
+
+# -- leaks ------------------------------------------------------------------------------
+def _is_helper_process(proc: psutil.Process) -> bool:
+    """multiprocessing's own long-lived helpers, started once per test session."""
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return "resource_tracker" in cmdline or "forkserver" in cmdline
+
+
+def live_children() -> list[psutil.Process]:
+    out = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        if not _is_helper_process(proc):
+            out.append(proc)
+    return out
+
+
+def open_fds() -> dict[int, str]:
+    """fd -> what it points at, for this process."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass  # the fd listdir itself used
+    return out
+
+
+class Snapshot:
+    """Threads and file descriptors of this process, and its child processes."""
+
+    def __init__(self) -> None:
+        self.threads = set(threading.enumerate())
+        self.fds = psutil.Process().num_fds()
+        self.fd_map = open_fds()
+        self.children = {p.pid for p in live_children()}
+
+    def leftovers(self) -> dict:
+        now = Snapshot()
+        out = {}
+        extra_threads = [t.name for t in now.threads - self.threads if t.is_alive()]
+        if extra_threads:
+            out["threads"] = extra_threads
+        if now.fds > self.fds:
+            out["fds"] = now.fds - self.fds
+            out["new fds"] = {fd: target for fd, target in now.fd_map.items()
+                              if self.fd_map.get(fd) != target}
+        extra = now.children - self.children
+        if extra:
+            out["children"] = sorted(extra)
+        return out
+
+    def wait_clean(self, within: float = 3.0) -> float:
+        """Seconds until nothing is left over; fails after ``within`` seconds."""
+        start = time.monotonic()
+        while True:
+            left = self.leftovers()
+            if not left:
+                return time.monotonic() - start
+            if time.monotonic() - start > within:
+                raise AssertionError(f"left behind after {within}s: {left}")
+            time.sleep(0.05)
+
+
+def warm_up(dataset=None, num_workers: int = 2, **kwargs) -> None:
+    """Run one loader to the end, so lazily opened fds and one-off helper
+    processes exist before a Snapshot is taken."""
+    from sample_datasets import RangeDataset
+
+    loader = torchfeed.DataLoader(dataset or RangeDataset(8), num_workers=num_workers,
+                                  batch_size=2, **kwargs)
+    for _ in loader:
+        pass
+    del loader
+
+
+def warning_messages(record) -> list[tuple[type, str]]:
+    return [(w.category, str(w.message)) for w in record]

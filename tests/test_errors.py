@@ -1,0 +1,271 @@
+"""Errors from workers reach the main process: the original type (or torch's
+RuntimeError fallback), the worker's traceback, the worker id and the sample
+indices; timeouts and dead workers raise RuntimeError and never hang."""
+from __future__ import annotations
+
+import re
+import time
+import traceback
+
+import pytest
+import torch
+import torch.utils.data
+
+import torchfeed
+from loader_helpers import Snapshot, assert_same, live_children, warm_up
+from sample_datasets import (BadIndexError, DyingDataset, FailingDataset, FailingIterIterable,
+                             LockDataset, RangeDataset, ShardedIterable, SlowIndexDataset,
+                             failing_collate, failing_worker_init)
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+
+def raised(loader_cls, dataset, **kwargs):
+    """(exception, batches yielded before it).
+
+    The exception's frames are cleared, so it no longer holds the iterator:
+    torch's ExceptionWrapper.reraise leaves the iterator in a reference cycle,
+    and a cycle collected later shuts torch's workers down slowly (seconds)."""
+    got = []
+    with pytest.raises(Exception) as info:
+        for batch in loader_cls(dataset, **kwargs):
+            got.append(batch)
+    traceback.clear_frames(info.value.__traceback__)
+    return info.value, got
+
+
+# -- exceptions from user code ------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_getitem_error_type_traceback_worker_and_indices():
+    error, got = raised(torchfeed.DataLoader, FailingDataset(12, bad=5), batch_size=2,
+                        num_workers=2)
+    assert type(error) is BadIndexError
+    message = str(error)
+    # torch's wording, so code matching on it keeps working, plus the batch.
+    assert message.startswith("Caught BadIndexError in DataLoader worker process 0")
+    assert "batch 2" in message and "sample indices [4, 5]" in message
+    assert "Traceback (most recent call last)" in message
+    assert 'raise BadIndexError(f"sample {i} is broken")' in message
+    assert "BadIndexError: sample 5 is broken" in message
+    assert len(got) == 2
+
+
+@pytest.mark.timeout(60)
+def test_getitem_error_type_same_as_torchs_and_iteration_can_go_on():
+    # torch re-raises and keeps the iterator usable: the failed batch is skipped.
+    results = []
+    for cls in (torch.utils.data.DataLoader, torchfeed.DataLoader):
+        it = iter(cls(FailingDataset(10, bad=3), batch_size=2, num_workers=2))
+        out, errors = [], []
+        while True:
+            try:
+                out.append(next(it))
+            except StopIteration:
+                break
+            except BadIndexError as exc:
+                errors.append(type(exc))
+        results.append((out, errors))
+        del it
+    assert_same(results[0][0], results[1][0])
+    assert results[0][1] == results[1][1] == [BadIndexError]
+
+
+def test_getitem_error_without_workers_is_the_original():
+    error, _ = raised(torchfeed.DataLoader, FailingDataset(8, bad=2), batch_size=2)
+    assert type(error) is BadIndexError and str(error) == "sample 2 is broken"
+
+
+@pytest.mark.timeout(60)
+def test_key_error_message_is_readable():
+    error, _ = raised(torchfeed.DataLoader, FailingDataset(8, bad=1, error="KeyError"),
+                      batch_size=2, num_workers=1)
+    assert type(error) is KeyError
+    text = str(error)
+    assert "\\n" not in text and "\n" in text  # not a quoted one-liner
+    assert "KeyError: 'no sample 1'" in text and "sample indices [0, 1]" in text
+
+
+@pytest.mark.timeout(60)
+def test_exception_that_cannot_be_rebuilt_falls_back_to_runtime_error():
+    theirs, _ = raised(torch.utils.data.DataLoader, FailingDataset(6, bad=2, error="TwoArgError"),
+                       batch_size=2, num_workers=1)
+    ours, _ = raised(torchfeed.DataLoader, FailingDataset(6, bad=2, error="TwoArgError"),
+                     batch_size=2, num_workers=1)
+    assert type(theirs) is type(ours) is RuntimeError
+    assert "Caught TwoArgError in DataLoader worker process 0" in str(ours)
+    assert "TwoArgError: 7: needs two arguments" in str(ours)
+    assert "sample indices [2, 3]" in str(ours)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_iter_error(num_workers):
+    error, got = raised(torchfeed.DataLoader, FailingIterIterable(), num_workers=num_workers)
+    assert type(error) is ValueError and not got
+    if num_workers:
+        assert "Caught ValueError in DataLoader worker process 0" in str(error)
+        assert 'raise ValueError("cannot open the stream")' in str(error)
+
+
+def test_iter_error_without_workers_raised_by_iter_like_torch():
+    # torch builds the fetcher, and so calls the dataset's __iter__, in iter(loader).
+    with pytest.raises(ValueError):
+        iter(torch.utils.data.DataLoader(FailingIterIterable()))
+    with pytest.raises(ValueError):
+        iter(torchfeed.DataLoader(FailingIterIterable()))
+
+
+@pytest.mark.timeout(60)
+def test_collate_error():
+    error, got = raised(torchfeed.DataLoader, RangeDataset(12), batch_size=2, num_workers=2,
+                        collate_fn=failing_collate)
+    assert type(error) is ZeroDivisionError
+    assert "worker process 0" in str(error) and "sample indices [4, 5]" in str(error)
+    assert "collate cannot handle sample 4" in str(error)
+    assert "in failing_collate" in str(error)  # the traceback reaches the collate_fn
+
+
+@pytest.mark.timeout(60)
+def test_worker_init_fn_error():
+    theirs, _ = raised(torch.utils.data.DataLoader, RangeDataset(8), batch_size=2, num_workers=2,
+                       worker_init_fn=failing_worker_init)
+    ours, got = raised(torchfeed.DataLoader, RangeDataset(8), batch_size=2, num_workers=2,
+                       worker_init_fn=failing_worker_init)
+    assert type(ours) is type(theirs) is OSError
+    assert "Caught OSError in DataLoader worker process 1" in str(ours)
+    assert "worker_init_fn failed in worker 1" in str(ours)
+    assert "in failing_worker_init" in str(ours)
+    assert len(got) == 1  # worker 0's batch came first, in order
+
+
+# -- unpicklable samples -------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_unpicklable_sample_names_its_path():
+    start = time.monotonic()
+    error, got = raised(torchfeed.DataLoader, LockDataset(), batch_size=None, num_workers=2)
+    assert time.monotonic() - start < 10, "must not hang (torch does, pytorch#142884)"
+    message = str(error)
+    assert "batch['meta'][2]" in message and "lock" in message
+    assert "worker process 0" in message and "cannot be sent to the main process" in message
+    assert len(got) == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:Got pickle error")  # torch warns too; we explain in the error
+def test_spawn_with_unpicklable_collate_fn_names_it():
+    def local_collate(batch):  # a local function: spawn cannot pickle it
+        return batch
+
+    kwargs = dict(num_workers=2, multiprocessing_context="spawn", collate_fn=local_collate)
+    theirs, _ = raised(torch.utils.data.DataLoader, RangeDataset(4), **kwargs)
+    ours, _ = raised(torchfeed.DataLoader, RangeDataset(4), **kwargs)
+    assert type(ours) is type(theirs)
+    assert "could not start worker 0 with the 'spawn' start method" in str(ours)
+    assert "collate_fn" in str(ours) and "module level" in str(ours)
+
+
+# -- timeout ---------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout", [1, 0.5])
+def test_timeout_message_is_torchs(timeout):
+    dataset = SlowIndexDataset(8, slow=2, delay=5)
+    start = time.monotonic()
+    ours, got = raised(torchfeed.DataLoader, dataset, batch_size=1, num_workers=1,
+                       timeout=timeout)
+    elapsed = time.monotonic() - start
+    assert type(ours) is RuntimeError
+    assert str(ours) == f"DataLoader timed out after {timeout} seconds"
+    assert len(got) == 2
+    assert timeout <= elapsed < timeout + 3
+
+
+@pytest.mark.timeout(60)
+def test_timeout_not_hit_by_steady_workers():
+    out = list(torchfeed.DataLoader(SlowIndexDataset(6, slow=1, delay=0.3), batch_size=1,
+                                    num_workers=2, timeout=2))
+    assert [int(b) for b in out] == list(range(6))
+
+
+# -- workers that die --------------------------------------------------------------------------
+DEATHS = {"sigkill": "SIGKILL (9)", "segfault": "SIGSEGV (11)", "exit": "exited with code 3"}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", list(DEATHS))
+def test_dead_worker_raises_runtime_error_naming_it(how):
+    before = Snapshot()
+    loader = torchfeed.DataLoader(DyingDataset(how, n=12, bad=5), batch_size=1, num_workers=2)
+    it = iter(loader)
+    pids = {p.pid for p in live_children()} - before.children
+    got = []
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        for batch in it:
+            got.append(int(batch))
+            start = time.monotonic()
+    assert time.monotonic() - start < 5, "noticed within seconds"
+    message = str(info.value)
+    match = re.search(r"DataLoader worker (\d+) \(pid (\d+)\) exited unexpectedly", message)
+    assert match, message
+    assert int(match.group(1)) == 1  # batch 5 went to worker 1, round-robin
+    assert int(match.group(2)) in pids
+    assert DEATHS[how] in message
+    assert "batch 5 (sample indices [5])" in message
+    # Batches of the dead worker that had not been handed over yet are lost
+    # with it (torch's transport fetches tensors from their sender), so the
+    # error may come before batch 5's turn; what came is a prefix, in order.
+    assert got == list(range(len(got))) and len(got) <= 5
+    # The iterator shut the other worker down on the way out, even though
+    # the exception (and so the iterator) is still referenced.
+    deadline = time.monotonic() + 3
+    while {p.pid for p in live_children()} & pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not {p.pid for p in live_children()} & pids
+
+
+@pytest.mark.timeout(60)
+def test_dead_worker_while_idle_iterable_does_not_hang():
+    # One worker's stream ends (it exits cleanly); the other still delivers.
+    out = list(torchfeed.DataLoader(ShardedIterable(0, 5), batch_size=2, num_workers=3))
+    assert sorted(int(row[0]) for b in out for row in b) == list(range(5))
+
+
+# -- nothing left behind after an error ----------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["getitem", "timeout", "dead worker"])
+def test_error_leaves_nothing_behind(case):
+    warm_up()
+    before = Snapshot()
+    kwargs = dict(batch_size=1, num_workers=2)
+    dataset = {"getitem": FailingDataset(10, bad=3),
+               "timeout": SlowIndexDataset(10, slow=3, delay=5),
+               "dead worker": DyingDataset("exit", n=10, bad=3)}[case]
+    if case == "timeout":
+        kwargs["timeout"] = 0.5
+    try:
+        for batch in torchfeed.DataLoader(dataset, **kwargs):
+            del batch  # a batch's shared storage is an fd of its own
+    except (BadIndexError, RuntimeError):
+        pass
+    else:
+        raise AssertionError("expected an error")
+    before.wait_clean(within=3)
+
+
+# -- without automatic batching a task holds a single index -----------------------------------
+@pytest.mark.timeout(60)
+def test_getitem_error_without_batching_names_the_index():
+    error, got = raised(torchfeed.DataLoader, FailingDataset(8, bad=3), batch_size=None,
+                        num_workers=2)
+    assert type(error) is BadIndexError, error
+    assert "worker process 1" in str(error) and "sample indices [3]" in str(error)
+    assert got == [0, 1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_dead_worker_without_batching_names_the_index():
+    with pytest.raises(RuntimeError) as info:
+        list(torchfeed.DataLoader(DyingDataset("exit", n=8, bad=3), batch_size=None,
+                                  num_workers=2))
+    assert "DataLoader worker 1" in str(info.value), info.value
+    assert "batch 3 (sample indices [3])" in str(info.value)

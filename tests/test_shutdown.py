@@ -1,0 +1,217 @@
+"""Nothing is left behind: however iteration ends (exhausted, deleted, break,
+an exception, KeyboardInterrupt, the main process killed), no worker process,
+thread or file descriptor outlives it for more than a bounded time."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+import torchfeed
+from loader_helpers import Snapshot, live_children, warm_up
+from sample_datasets import RangeDataset, SleepDataset, UnevenIterable
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+BOUND = 3.0  # seconds: SHUTDOWN_GRACE is 1 s, and the machine may be busy
+
+
+@pytest.fixture
+def snapshot():
+    warm_up()
+    return Snapshot()
+
+
+def consume(iterator, n):
+    for _ in range(n):
+        batch = next(iterator)
+        del batch  # received batches hold shared-memory fds of their own
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_exhausted_epoch_leaves_nothing(snapshot, persistent):
+    loader = torchfeed.DataLoader(RangeDataset(20), batch_size=2, num_workers=2,
+                                  persistent_workers=persistent)
+    for batch in loader:
+        del batch
+    if persistent:
+        assert snapshot.leftovers().get("children"), "persistent workers stay between epochs"
+    del loader
+    snapshot.wait_clean(BOUND)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_delete_iterator_mid_epoch(snapshot, persistent):
+    loader = torchfeed.DataLoader(SleepDataset(100, delay=0.01), batch_size=2, num_workers=2,
+                                  persistent_workers=persistent)
+    it = iter(loader)
+    consume(it, 3)
+    del it
+    if not persistent:
+        snapshot.wait_clean(BOUND)
+    del loader  # persistent: the loader holds the iterator; dropping it ends the workers
+    snapshot.wait_clean(BOUND)
+
+
+@pytest.mark.timeout(30)
+def test_break_out_of_loop(snapshot):
+    loader = torchfeed.DataLoader(SleepDataset(100, delay=0.01), batch_size=2, num_workers=2)
+    for i, batch in enumerate(loader):
+        if i == 2:
+            break
+    del batch
+    snapshot.wait_clean(BOUND)
+
+
+class LoopBodyError(Exception):
+    pass
+
+
+@pytest.mark.timeout(30)
+def test_exception_in_loop_body(snapshot):
+    loader = torchfeed.DataLoader(SleepDataset(100, delay=0.01), batch_size=2, num_workers=2)
+    with pytest.raises(LoopBodyError):
+        for i, batch in enumerate(loader):
+            del batch
+            if i == 2:
+                raise LoopBodyError
+    snapshot.wait_clean(BOUND)
+
+
+def _ctrl_c(worker_pids):
+    """What Ctrl-C in a terminal does: SIGINT to every process of the group."""
+    for pid in worker_pids:
+        os.kill(pid, signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.timeout(30)
+def test_keyboard_interrupt_in_main_process(snapshot):
+    loader = torchfeed.DataLoader(SleepDataset(1000, delay=0.02), batch_size=2, num_workers=2)
+    it = iter(loader)
+    workers = [p.pid for p in live_children() if p.pid not in snapshot.children]
+    assert len(workers) == 2
+    timer = threading.Timer(0.5, _ctrl_c, (workers,))
+    seen = 0
+    with pytest.raises(KeyboardInterrupt):
+        timer.start()
+        for batch in it:  # SIGINT lands wherever the main thread is, often in torchfeed
+            del batch
+            seen += 1
+    del it
+    timer.join()
+    assert seen > 0
+    snapshot.wait_clean(BOUND)
+
+
+@pytest.mark.timeout(30)
+def test_deleting_a_persistent_loader_needs_no_garbage_collector(snapshot):
+    import gc
+
+    gc.disable()  # the workers must go when the last reference does, not at a gc pass
+    try:
+        loader = torchfeed.DataLoader(RangeDataset(10), batch_size=2, num_workers=2,
+                                      persistent_workers=True)
+        for batch in loader:
+            del batch
+        del loader
+        snapshot.wait_clean(BOUND)
+    finally:
+        gc.enable()
+
+
+@pytest.mark.timeout(60)
+def test_iterable_workers_retire_repeatedly():
+    # Workers whose stream ends exit while the others go on sending on the
+    # shared result queue; repeated, to catch an exit that wedges the queue.
+    expected = sorted(w * 100 + j for w in range(3) for j in range(3 * w + 1))
+    for _ in range(15):
+        out = list(torchfeed.DataLoader(UnevenIterable(), batch_size=2, num_workers=3))
+        assert sorted(int(x) for batch in out for x in batch) == expected
+
+
+# -- the main process goes away ----------------------------------------------------------------
+def _main_that_gets_killed(conn, delay):
+    """A training 'main process' forked from the test (no fresh torch import,
+    so cheap enough to run in several variants): it starts a loader, reports
+    its workers' pids, and iterates."""
+    loader = torchfeed.DataLoader(SleepDataset(10000, delay=delay), batch_size=2, num_workers=2)
+    it = iter(loader)
+    conn.send([p.pid for p in live_children()])
+    for batch in it:
+        del batch
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _assert_exit_within_2s(pids, kill_main):
+    time.sleep(0.3)  # let the workers get going (or get stuck in __getitem__)
+    assert not any(_gone(p) for p in pids)
+    kill_main()
+    start = time.monotonic()
+    while not all(_gone(p) for p in pids) and time.monotonic() - start < 5:
+        time.sleep(0.02)
+    elapsed = time.monotonic() - start
+    alive = [p for p in pids if not _gone(p)]
+    for p in alive:  # leave nothing for the next test
+        os.kill(p, signal.SIGKILL)
+    assert not alive and elapsed <= 2.0, f"workers took {elapsed:.2f}s, alive: {alive}"
+
+
+MAIN_SCRIPT = """
+import sys, psutil, torchfeed
+from sample_datasets import SleepDataset
+loader = torchfeed.DataLoader(SleepDataset(100, delay=60.0), batch_size=2, num_workers=2)
+it = iter(loader)  # the workers start, and get stuck in __getitem__
+print(" ".join(str(p.pid) for p in psutil.Process().children()), flush=True)
+next(it)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_workers_exit_within_2s_when_main_script_is_sigkilled():
+    # A fresh interpreter as the main process, its workers busy in __getitem__.
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(torchfeed.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, tests_dir]))
+    main = subprocess.Popen([sys.executable, "-c", MAIN_SCRIPT], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = main.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2, (line, main.stderr.read() if main.poll() is not None else "")
+        _assert_exit_within_2s(pids, main.kill)
+    finally:
+        main.kill()
+        main.communicate()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("delay", [0.01, 60.0], ids=["consuming", "busy-in-getitem"])
+def test_workers_exit_within_2s_when_main_is_sigkilled(delay):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    main = ctx.Process(target=_main_that_gets_killed, args=(theirs, delay))
+    main.start()
+    try:
+        assert ours.poll(30), "the main process did not start its workers"
+        pids = ours.recv()
+        assert len(pids) == 2
+        _assert_exit_within_2s(pids, main.kill)
+    finally:
+        main.kill()
+        main.join(5)
