@@ -1,0 +1,131 @@
+"""One rank of a real gloo process group, launched by tests/test_distributed.py.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=N \
+        tests/_dist_ranks.py OUT_DIR [--save] [--resume-from DIR]
+
+Writes OUT_DIR/rank{RANK}.json: the sample ids this rank saw, per scenario.
+The test process checks union, disjointness and resume coverage across ranks.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, IterableDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torchfeed  # noqa: E402
+from torchfeed.distributed import (  # noqa: E402
+    DistributedSampler,
+    rank_and_world_size,
+    shard_info,
+    shard_iterable,
+)
+
+N = 50  # divisible by neither 2 nor 3: padding and drop_last both matter
+ITERABLE_N = 37
+BATCH = 4
+SEED = 1234
+SAVE_STEP = 3  # batches taken before the checkpoint
+WORKERS = (0, 2)
+
+
+class Ids(Dataset):
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return i
+
+
+class IterIds(IterableDataset):
+    def __iter__(self):
+        return shard_iterable(range(ITERABLE_N))
+
+
+def shard_of_worker(_):
+    return [shard_info(), rank_and_world_size()]
+
+
+LOADER = getattr(torchfeed, "DataLoader", torch.utils.data.DataLoader)
+
+
+def make_loader(dataset, sampler, num_workers, **kw):
+    return LOADER(dataset, batch_size=BATCH, sampler=sampler, num_workers=num_workers, **kw)
+
+
+def ids_of(batches):
+    return [int(i) for b in batches for i in b]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--save", action="store_true")
+    p.add_argument("--resume-from")
+    args = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    res = {"world": world, "rank": rank, "loader": f"{LOADER.__module__}.{LOADER.__name__}"}
+    saved = None
+    if args.resume_from:
+        saved = json.loads((Path(args.resume_from) / "rank0.json").read_text())
+
+    for nw in WORKERS:
+        for drop_last in (False, True):
+            key = f"nw{nw}/dl{int(drop_last)}"
+            sampler = DistributedSampler(Ids(), shuffle=True, seed=SEED, drop_last=drop_last)
+            assert (sampler.rank, sampler.num_replicas) == (rank, world)
+            loader = make_loader(Ids(), sampler, nw)
+            for epoch in (0, 1):
+                sampler.set_epoch(epoch)
+                res[f"full/{key}/e{epoch}"] = ids_of(loader)
+
+            if args.save:
+                sampler = DistributedSampler(Ids(), shuffle=True, seed=SEED, drop_last=drop_last)
+                sampler.set_epoch(1)
+                loader = make_loader(Ids(), sampler, nw)
+                it = iter(loader)
+                taken = [next(it) for _ in range(SAVE_STEP)]
+                state = sampler.state_dict_at(SAVE_STEP * BATCH)
+                gathered = [None] * world
+                dist.all_gather_object(gathered, state)
+                res[f"save/{key}"] = {
+                    "ids": ids_of(taken),
+                    "state": state,
+                    "gathered": gathered,
+                    "ahead": sampler.state_dict(),  # counts what prefetching handed out
+                }
+                del it
+
+            if saved is not None:
+                state = saved[f"save/{key}"]["state"]
+                sampler = DistributedSampler(Ids(), shuffle=True, seed=SEED, drop_last=drop_last)
+                sampler.load_state_dict(state)
+                sampler.set_epoch(state["epoch"])  # the usual loop; keeps the position
+                loader = make_loader(Ids(), sampler, nw)
+                res[f"resume/{key}/len"] = len(loader)
+                res[f"resume/{key}/rest"] = ids_of(loader)
+                sampler.set_epoch(state["epoch"] + 1)
+                res[f"resume/{key}/next"] = ids_of(loader)
+
+        loader = make_loader(IterIds(), None, nw)
+        res[f"iterable/nw{nw}"] = ids_of(loader)
+        if nw:
+            probe = torch.utils.data.DataLoader(
+                range(nw), batch_size=1, num_workers=nw, collate_fn=shard_of_worker
+            )
+            res[f"iterable/nw{nw}/shards"] = list(probe)
+
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
