@@ -1,7 +1,21 @@
-"""torchfeed: a drop-in replacement for torch.utils.data.DataLoader.
+"""torchfeed: a drop-in replacement for ``torch.utils.data.DataLoader``.
 
-The public surface. (Until the core loader lands, only the distributed sampler.)
+    from torchfeed import DataLoader
+
+Everything public is re-exported here; the modules behind it are private.
 """
+from torch.utils.data import default_collate, default_convert, get_worker_info
+from torch.utils.data._utils.worker import WorkerInfo
+
+from .dataloader import DataLoader
 from .distributed import DistributedSampler
 
-__all__ = ["DistributedSampler"]
+__all__ = [
+    "DataLoader",
+    "DistributedSampler",
+    "WorkerInfo",
+    "default_collate",
+    "default_convert",
+    "get_worker_info",
+]
+__version__ = "0.1.0"
