@@ -50,7 +50,7 @@ def shard_of_worker(_):
     return [shard_info(), rank_and_world_size()]
 
 
-LOADER = getattr(torchfeed, "DataLoader", torch.utils.data.DataLoader)
+LOADER = torchfeed.DataLoader
 
 
 def make_loader(dataset, sampler, num_workers, **kw):
@@ -113,12 +113,17 @@ def main():
                 sampler.set_epoch(state["epoch"] + 1)
                 res[f"resume/{key}/next"] = ids_of(loader)
 
+        # torch's own DistributedSampler, unchanged, under torchfeed's loader
+        sampler = torch.utils.data.distributed.DistributedSampler(Ids(), shuffle=True, seed=SEED)
+        loader = make_loader(Ids(), sampler, nw)
+        for epoch in (0, 1):
+            sampler.set_epoch(epoch)
+            res[f"torch-sampler/nw{nw}/e{epoch}"] = ids_of(loader)
+
         loader = make_loader(IterIds(), None, nw)
         res[f"iterable/nw{nw}"] = ids_of(loader)
         if nw:
-            probe = torch.utils.data.DataLoader(
-                range(nw), batch_size=1, num_workers=nw, collate_fn=shard_of_worker
-            )
+            probe = LOADER(range(nw), batch_size=1, num_workers=nw, collate_fn=shard_of_worker)
             res[f"iterable/nw{nw}/shards"] = list(probe)
 
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(res))

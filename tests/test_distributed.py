@@ -191,10 +191,11 @@ def test_chained_resume_2_to_3_to_1():
 
 
 @pytest.mark.timeout(60)
-def test_state_dict_at_with_prefetching_torch_loader():
+@pytest.mark.parametrize("loader_cls", [torch.utils.data.DataLoader, torchfeed.DataLoader])
+def test_state_dict_at_with_prefetching_loader(loader_cls):
     n, bs, k = 40, 3, 2
     sampler = DistributedSampler(range(n), 2, 0, seed=11)
-    loader = torch.utils.data.DataLoader(range(n), batch_size=bs, sampler=sampler, num_workers=2)
+    loader = loader_cls(range(n), batch_size=bs, sampler=sampler, num_workers=2)
     it = iter(loader)
     taken = [int(i) for _ in range(k) for i in next(it)]
     exact = sampler.state_dict_at(k * bs)
@@ -336,7 +337,7 @@ def test_shard_iterable_by_rank_and_worker():
     n, world = 23, 2
     seen = []
     for rank in range(world):
-        loader = torch.utils.data.DataLoader(_Shards(n, rank, world), batch_size=None, num_workers=2)
+        loader = torchfeed.DataLoader(_Shards(n, rank, world), batch_size=None, num_workers=2)
         seen += [int(i) for i in loader]
     assert sorted(seen) == list(range(n))
     assert list(shard_iterable(range(10), 1, 3)) == [1, 4, 7]  # outside a worker
@@ -429,6 +430,10 @@ def test_process_group_shards_are_disjoint_and_cover(runs, name):
         else:
             assert set(flat) == set(range(script.N))
             assert len(flat) - script.N == (-script.N) % world  # only torch's padding repeats
+    assert all(r["loader"] == "torchfeed.dataloader.DataLoader" for r in results)
+    for nw, epoch in itertools.product(script.WORKERS, (0, 1)):
+        per_rank = [r[f"torch-sampler/nw{nw}/e{epoch}"] for r in results]
+        assert per_rank == torch_epoch(world, epoch, False)
     for nw in script.WORKERS:
         per_rank = [r[f"iterable/nw{nw}"] for r in results]
         assert sorted(itertools.chain(*per_rank)) == list(range(script.ITERABLE_N))
