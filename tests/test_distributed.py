@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -371,17 +372,40 @@ sys.path.insert(0, str(HERE))
 import _dist_ranks as script  # noqa: E402
 
 
-def launch(nproc, out, *extra):
-    out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(HERE / "_dist_ranks.py"), str(out), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
-    assert [r["rank"] for r in results] == list(range(nproc))
-    assert all(r["world"] == nproc for r in results)
-    return results
+class Launch:
+    """One torchrun job: each rank's map-style results, and its IterableDataset results."""
+
+    def __init__(self, nproc, out, *extra):
+        out.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", str(HERE / "_dist_ranks.py"), str(out), *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        # Own session: if torchrun is killed, its ranks and their workers go with it.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=script.HANG_S + 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a failed launch
+            except ProcessLookupError:
+                pass
+        self.returncode, self.output = proc.returncode, output
+        self.results = self._read(out, nproc, "rank{}.json")
+        self.iterable = self._read(out, nproc, "rank{}-iterable.json")
+
+    @staticmethod
+    def _read(out, nproc, pattern):
+        files = [out / pattern.format(r) for r in range(nproc)]
+        if not all(f.exists() for f in files):
+            return None
+        return [json.loads(f.read_text()) for f in files]
+
+    def failure(self, what):
+        return f"torchrun exited {self.returncode} before writing {what}:\n{self.output[-6000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -389,16 +413,24 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("dist")
     cache = {}
 
-    def get(name):
+    def get(name, iterable=False):
         if name not in cache:
             if name == "n2":
-                cache[name] = launch(2, base / name, "--save")
+                cache[name] = Launch(2, base / name, "--save")
             elif name == "n2-again":
-                cache[name] = launch(2, base / name)
+                cache[name] = Launch(2, base / name)
             else:
                 get("n2")
-                cache[name] = launch(int(name[1:]), base / name, "--resume-from", str(base / "n2"))
-        return cache[name]
+                cache[name] = Launch(int(name[1:]), base / name, "--resume-from", str(base / "n2"))
+        run = cache[name]
+        if iterable:
+            assert run.returncode == 0 and run.iterable is not None, run.failure("the iterable results")
+            return run.iterable
+        assert run.results is not None, run.failure("the map-style results")
+        nproc = len(run.results)
+        assert [r["rank"] for r in run.results] == list(range(nproc))
+        assert all(r["world"] == nproc for r in run.results)
+        return run.results
 
     return get
 
@@ -415,7 +447,7 @@ def torch_epoch(world, epoch, drop_last):
     return out
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("name", ["n2", "n3"])
 def test_process_group_shards_are_disjoint_and_cover(runs, name):
     results = runs(name)
@@ -434,6 +466,13 @@ def test_process_group_shards_are_disjoint_and_cover(runs, name):
     for nw, epoch in itertools.product(script.WORKERS, (0, 1)):
         per_rank = [r[f"torch-sampler/nw{nw}/e{epoch}"] for r in results]
         assert per_rank == torch_epoch(world, epoch, False)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name", ["n2", "n3"])
+def test_process_group_iterable_shards_by_rank_and_worker(runs, name):
+    results = runs(name, iterable=True)
+    world = len(results)
     for nw in script.WORKERS:
         per_rank = [r[f"iterable/nw{nw}"] for r in results]
         assert sorted(itertools.chain(*per_rank)) == list(range(script.ITERABLE_N))
@@ -444,7 +483,7 @@ def test_process_group_shards_are_disjoint_and_cover(runs, name):
             assert ranks_seen == {(r, world) for r in range(world)}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_process_group_shuffle_reproducible_across_runs(runs):
     a, b = runs("n2"), runs("n2-again")
     for key, epoch in itertools.product(KEYS, (0, 1)):
@@ -452,7 +491,7 @@ def test_process_group_shuffle_reproducible_across_runs(runs):
     assert a[0]["full/nw0/dl0/e0"] != a[0]["full/nw0/dl0/e1"]  # epochs do reshuffle
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_process_group_save_gives_one_state_for_all_ranks(runs):
     results = runs("n2")
     for key in KEYS:
@@ -464,7 +503,7 @@ def test_process_group_save_gives_one_state_for_all_ranks(runs):
             assert saves[0]["ahead"]["samples_consumed"] > state["samples_consumed"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("name", ["n3", "n1"])
 def test_process_group_resume_at_another_world_size(runs, name):
     before, after = runs("n2"), runs(name)
@@ -489,3 +528,23 @@ def test_process_group_resume_at_another_world_size(runs, name):
             assert c >= world  # so the padding repeats samples taken before the checkpoint
             assert set(taken) | set(flat) == set(range(script.N))
         assert [r[f"resume/{key}/next"] for r in after] == torch_epoch(world, 2, drop_last)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name", ["n3", "n1"])
+def test_process_group_loader_state_resumes_at_another_world_size(runs, name):
+    before, after = runs("n2"), runs(name)
+    if not before[0]["loader_state"]:
+        pytest.skip("torchfeed.DataLoader has no state_dict() yet (issue 3)")
+    world = len(after)
+    full = order(script.N, script.SEED, 1, True)
+    c = script.SAVE_STEP * script.BATCH * 2
+    for nw in script.WORKERS:
+        key = f"loader/nw{nw}"
+        taken = list(itertools.chain(*(r[f"{key}/save"]["ids"] for r in before)))
+        assert sorted(taken) == sorted(full[:c])
+        rest = [r[f"{key}/rest"] for r in after]
+        assert interleave(rest) == expected_pass(script.N, world, c, seed=script.SEED, epoch=1,
+                                                 shuffle=True, drop_last=False)
+        assert set(taken) | set(itertools.chain(*rest)) == set(range(script.N))
+        assert [r[f"{key}/next"] for r in after] == torch_epoch(world, 2, False)
