@@ -7,6 +7,7 @@ Everything public is re-exported here; the modules behind it are private.
 from torch.utils.data import default_collate, default_convert, get_worker_info
 from torch.utils.data._utils.worker import WorkerInfo
 
+from ._tuner import tune
 from .dataloader import DataLoader
 from .distributed import DistributedSampler
 
@@ -17,5 +18,6 @@ __all__ = [
     "default_collate",
     "default_convert",
     "get_worker_info",
+    "tune",
 ]
 __version__ = "0.1.0"
