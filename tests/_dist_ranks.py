@@ -32,6 +32,7 @@ ITERABLE_N = 37
 BATCH = 4
 SEED = 1234
 SAVE_STEP = 3  # batches taken before the checkpoint
+CHAIN_STEP = 1  # batches taken into a resumed pass before checkpointing again
 WORKERS = (0, 2)
 HANG_S = 150  # a launch takes ~10 s, ~40 s on a loaded 2-core machine
 
@@ -69,10 +70,14 @@ def ids_of(batches):
 LOADER_STATE = hasattr(LOADER, "state_dict") and hasattr(LOADER, "load_state_dict")
 
 
-def loader_level(res, save, saved, nw):
-    """k batches at one world size, loader.state_dict(), a fresh loader at another."""
+def loader_level(res, args, saved, chained, nw):
+    """k batches at one world size, loader.state_dict(), a fresh loader at another.
+
+    ``--save-chain`` also saves again a few batches into the resumed pass, and
+    ``--chain-from`` resumes from that second state (2 -> 3 -> 1 ranks).
+    """
     key = f"loader/nw{nw}"
-    if save:
+    if args.save:
         sampler = DistributedSampler(Ids(), shuffle=True, seed=SEED)
         sampler.set_epoch(1)
         loader = make_loader(Ids(), sampler, nw)
@@ -88,6 +93,22 @@ def loader_level(res, save, saved, nw):
         res[f"{key}/rest"] = ids_of(loader)
         sampler.set_epoch(2)
         res[f"{key}/next"] = ids_of(loader)
+    if saved is not None and args.save_chain:
+        sampler = DistributedSampler(Ids(), shuffle=True, seed=SEED)
+        loader = make_loader(Ids(), sampler, nw)
+        loader.load_state_dict(saved[f"{key}/save"]["state"])
+        sampler.set_epoch(1)
+        it = iter(loader)
+        taken = [next(it) for _ in range(CHAIN_STEP)]
+        res[f"{key}/chain-save"] = {"ids": ids_of(taken),
+                                    "state": json.loads(json.dumps(loader.state_dict()))}
+        del it
+    if chained is not None:
+        sampler = DistributedSampler(Ids(), shuffle=True, seed=SEED)
+        loader = make_loader(Ids(), sampler, nw)
+        loader.load_state_dict(chained[f"{key}/chain-save"]["state"])
+        sampler.set_epoch(1)
+        res[f"{key}/chain-rest"] = ids_of(loader)
 
 
 def main():
@@ -95,6 +116,8 @@ def main():
     p.add_argument("out")
     p.add_argument("--save", action="store_true")
     p.add_argument("--resume-from")
+    p.add_argument("--save-chain", action="store_true")
+    p.add_argument("--chain-from")
     args = p.parse_args()
 
     # A hang fails the launch with every thread's stack instead of blocking the test.
@@ -106,6 +129,9 @@ def main():
     saved = None
     if args.resume_from:
         saved = json.loads((Path(args.resume_from) / "rank0.json").read_text())
+    chained = None
+    if args.chain_from:
+        chained = json.loads((Path(args.chain_from) / "rank0.json").read_text())
 
     for nw in WORKERS:
         for drop_last in (False, True):
@@ -146,7 +172,7 @@ def main():
                 res[f"resume/{key}/next"] = ids_of(loader)
 
         if LOADER_STATE:
-            loader_level(res, args.save, saved, nw)
+            loader_level(res, args, saved, chained, nw)
 
         # torch's own DistributedSampler, unchanged, under torchfeed's loader
         sampler = torch.utils.data.distributed.DistributedSampler(Ids(), shuffle=True, seed=SEED)
