@@ -55,6 +55,13 @@ died mid-step), gather all states and pass them to ``merge_states``, which
 keeps the smallest position: nothing is skipped, and at most the samples the
 faster ranks consumed after it are repeated.
 
+With ``torchfeed.DataLoader`` the sampler's state travels inside
+``loader.state_dict()`` (``sampler_state``, protocol ``"position"``). At the
+same world size, each rank may load its own loader state. At another world
+size, load one rank's (rank 0's) on every rank: coverage is exact, and the
+only per-rank value it carries is the epoch's worker base seed, which matters
+to random augmentations for the rest of that epoch if ranks seed differently.
+
 The ``state_dict_at`` protocol. A loader prefetches, so the sampler has handed
 out more indices than the user consumed, and ``state_dict()`` (which counts
 the indices this sampler yielded) runs ahead. A loader therefore calls
