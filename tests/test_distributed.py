@@ -396,6 +396,41 @@ def test_shard_info_and_rank_outside_a_process_group(monkeypatch):
         shard_info(4, 4)
 
 
+class _Counting(IterableDataset):
+    """A stateful IterableDataset (torchdata's Stateful protocol) sharded by rank."""
+
+    def __init__(self):
+        self.pos = 0
+
+    def __iter__(self):
+        shard_id, num_shards = shard_info()
+        for i in range(shard_id + self.pos * num_shards, 40, num_shards):
+            self.pos += 1
+            yield i
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(reason="core (_state.py): the loader state does not record the world size "
+                          "of an IterableDataset's per-rank state, nor call "
+                          "check_iterable_world_size on load", strict=True)
+def test_loader_iterable_state_at_another_world_size_is_refused(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what rank_and_world_size() reads without a group
+    loader = torchfeed.DataLoader(_Counting(), batch_size=2)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="world size 2.*world size 3"):
+        torchfeed.DataLoader(_Counting(), batch_size=2).load_state_dict(state)
+
+
 @pytest.mark.timeout(30)
 def test_check_iterable_world_size():
     check_iterable_world_size(2, 2)
