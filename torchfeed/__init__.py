@@ -9,6 +9,15 @@ from torch.utils.data._utils.worker import WorkerInfo
 
 from ._tuner import tune
 from .dataloader import DataLoader
+from .distributed import DistributedSampler
 
-__all__ = ["DataLoader", "WorkerInfo", "default_collate", "default_convert", "get_worker_info", "tune"]
+__all__ = [
+    "DataLoader",
+    "DistributedSampler",
+    "WorkerInfo",
+    "default_collate",
+    "default_convert",
+    "get_worker_info",
+    "tune",
+]
 __version__ = "0.1.0"
