@@ -224,9 +224,6 @@ class _SlowFirst(torch.utils.data.Dataset):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(reason="core (_state.py): batches yielded out of order are skipped by "
-                          "position in the resumed stream, which a world-size change re-deals; "
-                          "the loader should refuse such a state", strict=True)
 def test_loader_in_order_false_state_at_another_world_size():
     n, bs = 48, 2
     sampler = DistributedSampler(range(n), 2, 0, seed=0)
@@ -416,9 +413,6 @@ class _Counting(IterableDataset):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(reason="core (_state.py): the loader state does not record the world size "
-                          "of an IterableDataset's per-rank state, nor call "
-                          "check_iterable_world_size on load", strict=True)
 def test_loader_iterable_state_at_another_world_size_is_refused(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")  # what rank_and_world_size() reads without a group

@@ -53,6 +53,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from ._index_stream import IndexStream, StatefulResult
+from .distributed import check_iterable_world_size, rank_and_world_size
 
 VERSION = 1
 KIND = "torchfeed.DataLoader"
@@ -65,6 +66,7 @@ _FIELDS = {
     "out_of_order_yielded": "list", "base_seed": _OPT_INT, "draws_base_seed": _BOOL,
     "epoch_start_rng": "dict or None", "sampler_state": "dict or None",
     "worker_states": "list or None", "exhausted_workers": "list", "next_worker": _INT,
+    "world_size": _OPT_INT,
 }
 
 
@@ -109,6 +111,8 @@ class ResumeBook:
             "batch_size": loader.batch_size, "drop_last": bool(loader.drop_last),
             "num_workers": loader.num_workers,
             "persistent_workers": bool(loader.persistent_workers),
+            # an IterableDataset's per-rank stream only resumes at this world size
+            "world_size": rank_and_world_size()[1] if iterable else None,
         }
 
     def __getstate__(self):
@@ -248,6 +252,11 @@ def _validate(state, header: dict, loader, probe: IndexStream) -> dict:
                   "this DataLoader; build it with the same dataset, batch_size and drop_last "
                   "as the run that saved the state")
     iterable = header["dataset_kind"] == "iterable"
+    if iterable:
+        try:
+            check_iterable_world_size(state["world_size"], header["world_size"])
+        except ValueError as exc:
+            _fail(f"field 'world_size': {exc}")
     if iterable and state["num_workers"] != header["num_workers"]:
         _fail(f"field 'num_workers' is {state['num_workers']} in the state but "
               f"{header['num_workers']} in this DataLoader; an IterableDataset's stream is "
@@ -274,6 +283,7 @@ def _validate(state, header: dict, loader, probe: IndexStream) -> dict:
     if state["base_seed"] is None and rng is not None:
         _fail("field 'base_seed' is None in a state whose epoch started")
     _check_sampler_state(state["sampler_state"], probe)
+    _check_out_of_order_world_size(state["sampler_state"], pairs, probe)
     ws = state["worker_states"]
     slots = max(1, header["num_workers"])
     if ws is not None:
@@ -340,6 +350,20 @@ def _check_sampler_state(sampler_state, probe: IndexStream) -> None:
             type(probe.index_sampler).__name__
         _fail(f"field 'sampler_state' was saved from a sampler with protocol {theirs!r} but "
               f"this DataLoader's sampler ({what}) has {mine!r}; use the same sampler")
+
+
+def _check_out_of_order_world_size(sampler_state, pairs, probe: IndexStream) -> None:
+    """Out-of-order positions name samples only in the stream they were yielded from."""
+    if not pairs or sampler_state is None or sampler_state["protocol"] != "position":
+        return
+    saved = sampler_state["state"].get("world_size") if isinstance(
+        sampler_state["state"], Mapping) else None
+    mine = getattr(probe.sampler, "num_replicas", None)
+    if saved is not None and mine is not None and saved != mine:
+        _fail(f"field 'out_of_order_yielded' lists batches yielded out of order "
+              f"(in_order=False) at world size {saved}; at world size {mine} the sampler "
+              "re-deals the rest of the epoch, so those positions name other samples. Resume "
+              f"at world size {saved}, or checkpoint with in_order=True")
 
 
 class StatefulUnpacker:
