@@ -1,0 +1,13 @@
+"""torchfeed: a drop-in replacement for ``torch.utils.data.DataLoader``.
+
+    from torchfeed import DataLoader
+
+Everything public is re-exported here; the modules behind it are private.
+"""
+from torch.utils.data import default_collate, default_convert, get_worker_info
+from torch.utils.data._utils.worker import WorkerInfo
+
+from .dataloader import DataLoader
+
+__all__ = ["DataLoader", "WorkerInfo", "default_collate", "default_convert", "get_worker_info"]
+__version__ = "0.1.0"

@@ -1,0 +1,81 @@
+"""Turning the indices of one task into one batch.
+
+A fetcher is built once per worker (and once per epoch for iterable datasets)
+and called once per task.  The semantics are torch's, case by case:
+
+* map-style with automatic batching: ``dataset.__getitems__(indices)`` when the
+  dataset defines it, else ``[dataset[i] for i in indices]``, then ``collate_fn``;
+* map-style without batching (``batch_size=None``): ``dataset[index]`` then
+  ``collate_fn`` (``default_convert`` by default);
+* iterable with batching: up to ``len(indices)`` items from the dataset's
+  iterator; an empty batch, or a short one under ``drop_last``, ends the stream;
+* iterable without batching: one item per task.
+
+``StopIteration`` from an iterable fetcher means "this worker's stream is done".
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+class MapFetcher:
+    def __init__(self, dataset, auto_collation: bool, collate_fn: Callable):
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        getitems = getattr(dataset, "__getitems__", None)
+        self._getitems = getitems if callable(getitems) else None
+
+    def fetch(self, indices) -> Any:
+        if not self.auto_collation:
+            return self.collate_fn(self.dataset[indices])
+        if self._getitems is not None:
+            samples = self._getitems(indices)
+        else:
+            samples = [self.dataset[i] for i in indices]
+        return self.collate_fn(samples)
+
+
+class IterableFetcher:
+    def __init__(self, dataset, auto_collation: bool, collate_fn: Callable, drop_last: bool):
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self._iterator = None
+        self.ended = False
+
+    def _stream(self):
+        # The dataset's __iter__ runs lazily, on the first task, as in torch:
+        # errors raised by it are then reported against that task.
+        if self._iterator is None:
+            self._iterator = iter(self.dataset)
+        return self._iterator
+
+    def fetch(self, indices) -> Any:
+        if self.ended:
+            raise StopIteration
+        stream = self._stream()
+        if not self.auto_collation:
+            try:
+                return self.collate_fn(next(stream))
+            except StopIteration:
+                self.ended = True
+                raise
+        samples = []
+        for _ in range(len(indices)):
+            try:
+                samples.append(next(stream))
+            except StopIteration:
+                self.ended = True
+                break
+        if not samples or (self.drop_last and len(samples) < len(indices)):
+            self.ended = True
+            raise StopIteration
+        return self.collate_fn(samples)
+
+
+def create_fetcher(is_iterable: bool, dataset, auto_collation: bool, collate_fn, drop_last: bool):
+    if is_iterable:
+        return IterableFetcher(dataset, auto_collation, collate_fn, drop_last)
+    return MapFetcher(dataset, auto_collation, collate_fn)

@@ -1,0 +1,108 @@
+"""What the single- and multi-process iterators share.
+
+The base iterator owns the index stream (the loader's sampler or batch
+sampler, turned into numbered tasks), counts what it has yielded, and applies
+torch's per-iterator rules: the base seed is drawn once per iterator from the
+loader's generator (or the global RNG), after the sampler's iterator is made,
+exactly as torch does, so iterating advances the global RNG no further than
+torch's DataLoader would; pin-memory warnings are torch's; an IterableDataset
+that yields more batches than its ``len()`` promised gets torch's warning.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils.data import IterableDataset
+
+
+def pin_memory_plan(loader) -> tuple[bool, str | None]:
+    """(pin?, device type), with torch's warnings for what cannot be honoured."""
+    if loader.pin_memory and loader.pin_memory_device:
+        warnings.warn(
+            "pin_memory_device is deprecated, the current accelerator will be used as the "
+            f"device,ignore pin_memory_device='{loader.pin_memory_device}'.", stacklevel=4)
+    available = torch.accelerator.is_available()
+    if loader.pin_memory and not available:
+        warnings.warn(
+            "'pin_memory' argument is set as true but no accelerator is found, then device "
+            "pinned memory won't be used.", stacklevel=4)
+    pin = bool(loader.pin_memory and available)
+    device = None
+    if pin:
+        acc = torch.accelerator.current_accelerator()
+        device = acc.type if acc is not None else None
+        if device == "mps":
+            warnings.warn(
+                "'pin_memory' argument is set as true but not supported on MPS now, device "
+                "pinned memory won't be used.", stacklevel=4)
+            pin, device = False, None
+    return pin, device
+
+
+class BaseIterator:
+    def __init__(self, loader) -> None:
+        self._loader = loader
+        self._dataset = loader.dataset
+        self._is_iterable = isinstance(loader.dataset, IterableDataset)
+        self._auto_collation = loader._auto_collation
+        self._drop_last = loader.drop_last
+        self._index_sampler = loader._index_sampler
+        self._num_workers = loader.num_workers
+        self._collate_fn = loader.collate_fn
+        self._timeout = loader.timeout
+        self._persistent_workers = loader.persistent_workers
+        self._pin_memory, self._pin_memory_device = pin_memory_plan(loader)
+        self._IterableDataset_len_called = loader._IterableDataset_len_called
+        self._epoch = 0
+        self._start_stream()
+        self._base_seed = int(torch.empty((), dtype=torch.int64)
+                              .random_(generator=loader.generator).item())
+
+    # -- the index stream ---------------------------------------------------
+    def _start_stream(self) -> None:
+        self._sampler_iter = iter(self._index_sampler)
+        self._next_batch_index = 0
+        self._num_yielded = 0
+
+    def _next_index(self):
+        """(batch_index, indices) of the next task; StopIteration at the end."""
+        indices = next(self._sampler_iter)
+        batch_index = self._next_batch_index
+        self._next_batch_index += 1
+        return batch_index, indices
+
+    def _reset(self, loader, first_iter: bool = False) -> None:
+        """Start another epoch over the same iterator (persistent workers)."""
+        self._epoch += 1
+        self._IterableDataset_len_called = loader._IterableDataset_len_called
+        self._start_stream()
+
+    # -- the iterator protocol ---------------------------------------------
+    def __iter__(self):
+        return self
+
+    def _next_data(self):
+        raise NotImplementedError
+
+    def __next__(self):
+        data = self._next_data()
+        self._num_yielded += 1
+        if (self._is_iterable and self._IterableDataset_len_called is not None
+                and self._num_yielded > self._IterableDataset_len_called):
+            msg = (f"Length of IterableDataset {self._dataset} was reported to be "
+                   f"{self._IterableDataset_len_called}(when accessing len(dataloader)), but "
+                   f"{self._num_yielded} samples have been fetched. ")
+            if self._num_workers > 0:
+                msg += ("For multiprocessing data-loading, this could be caused by not properly "
+                        "configuring the IterableDataset replica at each worker. Please see "
+                        "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                        "for examples.")
+            warnings.warn(msg, stacklevel=2)
+        return data
+
+    def __len__(self) -> int:
+        return len(self._index_sampler)
+
+    def __getstate__(self):
+        raise NotImplementedError(f"{type(self).__name__} cannot be pickled")

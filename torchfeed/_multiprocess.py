@@ -1,0 +1,350 @@
+"""The multi-process iterator: index queues out, one result queue back, in order.
+
+    main process                                 worker k (one process each)
+    ------------                                 ---------------------------
+    index stream ─ _try_put_index ─► index_queues[k] ─► fetch + collate + pack
+                                                                │
+    user ◄─ pin ◄─ reorder ◄─ _receive ◄────── result_queue ◄───┘
+
+Book-keeping follows torch's: ``send_idx`` numbers tasks as they go out,
+``rcvd_idx`` is the next task to hand to the user, ``task_info`` maps each
+outstanding task to its worker (and, unlike torch, to its sample indices, so
+any failure can name them).  ``prefetch_factor × num_workers`` tasks are in
+flight at once, sent round-robin.  Results that arrive early wait in
+``_arrived`` until their turn, unless ``in_order=False``.
+
+NOTE [ Waiting without hanging ]
+The main process never blocks on the result queue alone.  It waits on the
+queue's pipe *and* every live worker's process sentinel at once
+(``multiprocessing.connection.wait``), so a worker that dies from SIGKILL, a
+segfault or ``os._exit`` wakes it immediately, and the error names that
+worker's pid, its signal or exit code and the batches it had in flight.
+torch instead polls every 5 seconds and relies on a SIGCHLD handler.
+
+NOTE [ Shutdown ]
+Workers are told to stop with ``None`` on their index queue and given one
+shared second to leave, then terminated, then killed: never 5 s per worker.
+Index queues have ``cancel_join_thread`` set, so their feeder threads never
+block interpreter exit, and are closed and joined with a bound.  Workers also
+watch the main process themselves (see ``_worker.py``), so a main process that
+is SIGKILLed leaves nothing behind.  Iterators still alive at interpreter exit
+(persistent workers) are shut down by an ``atexit`` hook that runs before
+multiprocessing's own.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import pickle
+import queue
+import threading
+import time
+import weakref
+from multiprocessing import connection
+
+import torch
+
+from ._errors import WorkerFailure, describe_dead_worker
+from ._iterator_base import BaseIterator
+from ._pickling import describe_unpicklable
+from ._pin_memory import PinMemoryThread, pass_through_requested
+from ._transport import create_channel
+from ._worker import IterableExhausted, ResumeIteration, Task, WorkerSpec, worker_loop
+
+SHUTDOWN_GRACE = 1.0  # seconds all workers share to exit before termination
+WAIT_SLICE = 0.1      # longest single wait, so timeouts and dead threads are noticed
+
+_live_iterators: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_iterators() -> None:
+    for it in list(_live_iterators):
+        it._shutdown_workers()
+
+
+class MultiProcessIterator(BaseIterator):
+    def __init__(self, loader) -> None:
+        super().__init__(loader)
+        self._prefetch_factor = loader.prefetch_factor
+        self._in_order = loader.in_order
+        self._shutdown = False
+        self._workers = []
+        self._index_queues = []
+        self._pin_thread = None
+        self._lock = threading.Lock()  # guards the dead-worker check shared with the pin thread
+        ctx = loader.multiprocessing_context or torch.multiprocessing
+        self._result_queue = ctx.Queue()
+        self._result_reader = self._result_queue._reader
+        self._channel = create_channel(self._num_workers, ctx, loader)
+        self._unpacker = self._channel.unpacker()
+        spec = WorkerSpec(
+            is_iterable=self._is_iterable, dataset=self._dataset,
+            auto_collation=self._auto_collation, collate_fn=self._collate_fn,
+            drop_last=self._drop_last, base_seed=self._base_seed,
+            worker_init_fn=loader.worker_init_fn, num_workers=self._num_workers,
+            epoch=self._epoch, seed_per_batch=getattr(loader, "seed_per_batch", False),
+            main_pid=os.getpid())
+        _live_iterators.add(self)
+        try:
+            for worker_id in range(self._num_workers):
+                self._start_worker(ctx, spec, worker_id)
+            if self._pin_memory or (loader.pin_memory and pass_through_requested()):
+                index = torch.accelerator.current_device_index() if self._pin_memory else None
+                self._pin_thread = PinMemoryThread(self._receive, self._pin_memory_device,
+                                                   index, pin=self._pin_memory)
+        except BaseException:
+            self._shutdown_workers()
+            raise
+        self._reset(loader, first_iter=True)
+
+    def _start_worker(self, ctx, spec: WorkerSpec, worker_id: int) -> None:
+        index_queue = ctx.Queue()
+        index_queue.cancel_join_thread()
+        process = ctx.Process(target=worker_loop, name=f"torchfeed-worker-{worker_id}",
+                              args=(spec, worker_id, index_queue, self._result_queue,
+                                    self._channel), daemon=True)
+        try:
+            process.start()
+        except (TypeError, AttributeError, pickle.PicklingError) as exc:
+            index_queue.close()
+            method = ctx.get_start_method() if hasattr(ctx, "get_start_method") else "?"
+            parts = {"dataset": spec.dataset, "collate_fn": spec.collate_fn,
+                     "worker_init_fn": spec.worker_init_fn}
+            culprits = [f"{name}: {describe_unpicklable(value).replace('batch', name, 1)}"
+                        for name, value in parts.items()
+                        if value is not None and _unpicklable(value)]
+            detail = "; ".join(culprits) or str(exc)
+            raise type(exc)(
+                f"DataLoader could not start worker {worker_id} with the '{method}' start "
+                f"method, which pickles the dataset, collate_fn and worker_init_fn: {detail}. "
+                "Define them at module level (no lambdas or local functions), or use "
+                "multiprocessing_context='fork' where available.") from exc
+        self._index_queues.append(index_queue)
+        self._workers.append(process)
+
+    # -- epochs ---------------------------------------------------------------
+    def _reset(self, loader, first_iter: bool = False) -> None:
+        if not first_iter:
+            super()._reset(loader, first_iter)
+        self._send_idx = 0
+        self._rcvd_idx = 0
+        self._task_info = {}    # send_idx -> (worker_id, batch_index, indices)
+        self._arrived = {}      # send_idx -> batch that came back before its turn
+        self._tasks_outstanding = 0
+        self._workers_status = [True] * self._num_workers
+        self._workers_num_tasks = [0] * self._num_workers
+        self._worker_cycle = itertools.cycle(range(self._num_workers))
+        if not first_iter:
+            for index_queue in self._index_queues:
+                index_queue.put(ResumeIteration(self._epoch))
+            pending = self._num_workers
+            while pending > 0:
+                # Results of the previous epoch that were still in flight
+                # arrive before each worker's acknowledgement; drop them.
+                marker, _ = self._get_data()
+                if isinstance(marker, ResumeIteration):
+                    pending -= 1
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
+
+    # -- sending ---------------------------------------------------------------
+    def _try_put_index(self) -> None:
+        max_tasks = self._prefetch_factor * self._num_workers
+        if self._tasks_outstanding >= max_tasks:
+            return
+        try:
+            batch_index, indices = self._next_index()
+        except StopIteration:
+            return
+        active = sum(self._workers_status)
+        for _ in range(self._num_workers):
+            worker_id = next(self._worker_cycle)
+            if not self._workers_status[worker_id]:
+                continue
+            # Out of order, a slow worker must not hoard the whole budget.
+            if self._in_order or self._workers_num_tasks[worker_id] < max_tasks // active:
+                break
+        else:
+            return
+        self._index_queues[worker_id].put(Task(self._send_idx, batch_index, indices))
+        self._task_info[self._send_idx] = (worker_id, batch_index, indices)
+        self._workers_num_tasks[worker_id] += 1
+        self._tasks_outstanding += 1
+        self._send_idx += 1
+
+    # -- receiving -------------------------------------------------------------
+    def _watched_sentinels(self):
+        return {w.sentinel: i for i, w in enumerate(self._workers)
+                if self._workers_status[i] and not self._shutdown}
+
+    def _receive(self, timeout: float):
+        """One (send_idx, batch) from the result queue, or (False, None) on timeout.
+
+        Raises RuntimeError as soon as a worker that owes us results is dead.
+        """
+        sentinels = self._watched_sentinels()
+        ready = connection.wait([self._result_reader, *sentinels], timeout)
+        if not ready:
+            return False, None
+        if self._result_reader in ready or self._result_reader.poll(0):
+            try:
+                send_idx, worker_id, blob = self._result_queue.get(block=False)
+            except queue.Empty:
+                return False, None
+            if blob is None:  # an acknowledgement, e.g. ResumeIteration
+                return True, (send_idx, None)
+            try:
+                payload = pickle.loads(blob)
+            except Exception:
+                # torch's transport hands tensors over as file descriptors
+                # fetched from the sender; a sender that died cannot.
+                if not self._workers[worker_id].is_alive():
+                    self._raise_dead_worker(worker_id)
+                raise
+            if not isinstance(payload, (WorkerFailure, IterableExhausted)):
+                payload = self._unpacker.unpack(payload)
+            return True, (send_idx, payload)
+        for sentinel in ready:
+            worker_id = sentinels[sentinel]
+            self._raise_dead_worker(worker_id)
+        return False, None
+
+    def _raise_dead_worker(self, worker_id: int) -> None:
+        process = self._workers[worker_id]
+        process.join(timeout=0.5)  # reap it, so exitcode is known
+        in_flight = [(batch, idx) for send, (wid, batch, idx) in sorted(self._task_info.items())
+                     if wid == worker_id and send not in self._arrived]
+        message = describe_dead_worker(worker_id, process.pid, process.exitcode, in_flight)
+        self._shutdown_workers()
+        raise RuntimeError(message)
+
+    def _get_data(self):
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        while True:
+            wait = WAIT_SLICE if deadline is None else max(0.0, min(WAIT_SLICE, deadline - time.monotonic()))
+            ok, item = self._wait_one(wait)
+            if ok:
+                return item
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+
+    def _wait_one(self, timeout: float):
+        if self._pin_thread is None:
+            return self._receive(timeout)
+        try:
+            kind, item = self._pin_thread.out.get(timeout=timeout)
+        except queue.Empty:
+            if not self._pin_thread.thread.is_alive():
+                raise RuntimeError("Pin memory thread exited unexpectedly") from None
+            return False, None
+        if kind == "error":
+            self._shutdown_workers()
+            raise item
+        return True, item
+
+    def _next_data(self):
+        while True:
+            # Skip tasks that will never be answered: their worker ended its
+            # iterable stream, or (in_order=False) they were already yielded.
+            while self._rcvd_idx < self._send_idx:
+                if self._rcvd_idx in self._arrived:
+                    break
+                info = self._task_info.get(self._rcvd_idx)
+                if info is not None and self._workers_status[info[0]]:
+                    break
+                self._task_info.pop(self._rcvd_idx, None)
+                self._rcvd_idx += 1
+            else:
+                if not self._persistent_workers:
+                    self._shutdown_workers()
+                raise StopIteration
+
+            if self._rcvd_idx in self._arrived:
+                data = self._arrived.pop(self._rcvd_idx)
+                worker_id = self._task_info.pop(self._rcvd_idx)[0]
+                self._rcvd_idx += 1
+                return self._process_data(data, worker_id)
+
+            send_idx, data = self._get_data()
+            self._tasks_outstanding -= 1
+            if isinstance(data, IterableExhausted):
+                self._retire_worker(data.worker_id)
+                self._try_put_index()
+                continue
+            if send_idx != self._rcvd_idx:
+                if not self._in_order:
+                    worker_id = self._task_info.pop(send_idx)[0]
+                    return self._process_data(data, worker_id)
+                self._arrived[send_idx] = data
+                continue
+            worker_id = self._task_info.pop(send_idx)[0]
+            self._rcvd_idx += 1
+            return self._process_data(data, worker_id)
+
+    def _retire_worker(self, worker_id: int) -> None:
+        """A worker's iterable stream ended: send it no more tasks this epoch."""
+        self._workers_status[worker_id] = False
+        if not self._persistent_workers:
+            self._index_queues[worker_id].put(None)
+
+    def _process_data(self, data, worker_id: int):
+        self._workers_num_tasks[worker_id] -= 1
+        self._try_put_index()
+        if isinstance(data, WorkerFailure):
+            data.reraise()
+        return data
+
+    # -- shutdown ---------------------------------------------------------------
+    def _shutdown_workers(self) -> None:
+        if self._shutdown:
+            return
+        self._shutdown = True
+        try:
+            if self._pin_thread is not None:
+                self._pin_thread.stop()
+            for worker_id, process in enumerate(self._workers):
+                if process.is_alive():
+                    try:
+                        self._index_queues[worker_id].put(None)
+                    except (ValueError, OSError):
+                        pass  # queue already closed
+            deadline = time.monotonic() + SHUTDOWN_GRACE
+            for process in self._workers:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+            for process in self._workers:
+                if process.is_alive():
+                    process.terminate()
+                    process.join(timeout=0.5)
+                if process.is_alive():
+                    process.kill()
+                    process.join(timeout=0.5)
+        finally:
+            for index_queue in self._index_queues:
+                _close_queue(index_queue)
+            _close_queue(self._result_queue)
+            self._unpacker.close()
+            _live_iterators.discard(self)
+
+    def __del__(self) -> None:
+        try:
+            self._shutdown_workers()
+        except Exception:
+            pass  # interpreter teardown: modules may already be gone
+
+
+def _close_queue(q) -> None:
+    q.cancel_join_thread()
+    q.close()
+    feeder = getattr(q, "_thread", None)
+    if feeder is not None and feeder is not threading.current_thread():
+        feeder.join(timeout=1.0)
+
+
+def _unpicklable(value) -> bool:
+    try:
+        pickle.dumps(value)
+        return False
+    except Exception:
+        return True

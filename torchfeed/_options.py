@@ -1,0 +1,35 @@
+"""torchfeed's own loader options: their defaults, environment overrides and
+validation.  torch's options are validated by torch's own constructor; these
+are checked here, at construction time, so a typo fails before training starts.
+"""
+from __future__ import annotations
+
+import os
+
+TRANSPORTS = ("shm", "torch")
+TRANSPORT_ENV = "TORCHFEED_TRANSPORT"
+
+
+def resolve_transport(transport: str | None) -> str:
+    source = "transport"
+    if transport is None:
+        transport = os.environ.get(TRANSPORT_ENV) or "shm"
+        source = f"the {TRANSPORT_ENV} environment variable"
+    if transport not in TRANSPORTS:
+        raise ValueError(
+            f"{source} must be one of {', '.join(map(repr, TRANSPORTS))}, but got "
+            f"{transport!r}. Use 'shm' (the default, shared-memory slots) or 'torch' "
+            "(torch's own transport, for comparison and debugging).")
+    return transport
+
+
+def validate_options(*, seed_per_batch, snapshot_every_n_steps) -> None:
+    if not isinstance(seed_per_batch, bool):
+        raise TypeError(f"seed_per_batch must be True or False, but got {seed_per_batch!r}")
+    if snapshot_every_n_steps is not None and (
+            isinstance(snapshot_every_n_steps, bool)
+            or not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 1):
+        raise ValueError(
+            "snapshot_every_n_steps must be a positive int or None, but got "
+            f"{snapshot_every_n_steps!r} (torchfeed ignores it: state_dict() is exact at "
+            "every step)")

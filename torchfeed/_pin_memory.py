@@ -1,0 +1,110 @@
+"""Page-locking batches, and the thread that does it off the training loop.
+
+``pin_memory`` follows torch's rules for nested batches exactly: a tensor or
+any object with its own ``pin_memory()`` method is pinned by that method;
+mappings and sequences are rebuilt as their own type when they can be, and as
+a dict or list when they cannot; strings and other leaves pass through.
+
+``PinMemoryThread`` sits between the result queue and the reorder step: it
+takes each message the workers sent, decodes it, pins the batch and hands it
+on through an in-process queue.  Decoding here, not in the training loop, is
+what lets a shared-memory slot return to its worker as soon as the pinned copy
+exists.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import threading
+from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
+
+import torch
+
+from ._errors import WorkerFailure
+
+# Lets the thread's plumbing run (and be tested) on a machine with no
+# accelerator: batches pass through it unpinned.  A debugging aid only.
+PASS_THROUGH_ENV = "TORCHFEED_PIN_THREAD_WITHOUT_ACCELERATOR"
+
+
+def pin_memory(data, device=None):
+    if isinstance(data, torch.Tensor) or hasattr(data, "pin_memory"):
+        return data.pin_memory()
+    if isinstance(data, (str, bytes)):
+        return data
+    if isinstance(data, Mapping):
+        pinned = {k: pin_memory(v, device) for k, v in data.items()}
+        try:
+            if isinstance(data, MutableMapping):
+                clone = copy.copy(data)
+                clone.update(pinned)
+                return clone
+            return type(data)(pinned)
+        except TypeError:
+            return pinned
+    if isinstance(data, tuple):
+        items = (pin_memory(v, device) for v in data)
+        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
+    if isinstance(data, Sequence):
+        pinned = [pin_memory(v, device) for v in data]
+        try:
+            if isinstance(data, MutableSequence):
+                clone = copy.copy(data)
+                for i, item in enumerate(pinned):
+                    clone[i] = item
+                return clone
+            return type(data)(pinned)
+        except TypeError:
+            return pinned
+    return data
+
+
+def pass_through_requested() -> bool:
+    return os.environ.get(PASS_THROUGH_ENV, "") not in ("", "0")
+
+
+class PinMemoryThread:
+    """Reads ``receive()`` results, pins them, and queues them for the reorder step."""
+
+    def __init__(self, receive, device, device_index: int | None, pin: bool = True):
+        self.out = queue.Queue()
+        self._receive = receive          # callable(timeout) -> (ok, (send_idx, batch))
+        self._device = device
+        self._device_index = device_index
+        self._pin = pin
+        self._done = threading.Event()
+        self.busy_seconds = 0.0
+        self.thread = threading.Thread(target=self._run, name="torchfeed-pin-memory",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import time
+
+        torch.set_num_threads(1)
+        if self._pin and self._device_index is not None:
+            torch.accelerator.set_device_index(self._device_index)
+        while not self._done.is_set():
+            try:
+                ok, item = self._receive(0.1)
+            except Exception as exc:  # the main thread re-raises it
+                self.out.put(("error", exc))
+                return
+            if not ok:
+                continue
+            send_idx, batch = item
+            if self._pin and not isinstance(batch, WorkerFailure) and send_idx is not None:
+                start = time.perf_counter()
+                try:
+                    batch = pin_memory(batch, self._device)
+                except Exception as exc:
+                    batch = WorkerFailure(exc, -1, f"the pin-memory thread for device {self._device}")
+                self.busy_seconds += time.perf_counter() - start
+            self.out.put(("data", (send_idx, batch)))
+            del batch, item
+
+    def stop(self) -> None:
+        self._done.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=5)

@@ -1,0 +1,54 @@
+"""Seeds for worker processes.
+
+Two schemes live here:
+
+* torch's own (the default): worker ``k`` seeds ``torch`` and ``random`` with
+  ``base_seed + k`` and numpy's global RNG with a state derived from
+  ``(base_seed, k)``.  The numpy derivation is numpy's own ``SeedSequence`` over
+  the words ``[k, low32(base_seed), high32(base_seed), 0]``, which is exactly the
+  state torch's DataLoader feeds to ``np.random.seed``.
+* per-batch seeding (opt-in, ``DataLoader(seed_per_batch=True)``): before each
+  batch is fetched, the worker reseeds all three RNGs from
+  ``(base_seed, epoch, batch_index)``.  Random augmentations then depend only on
+  which batch is being built, never on which worker builds it, so they are the
+  same for any ``num_workers`` and are restored exactly on resume.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def numpy_worker_state(base_seed: int, worker_id: int) -> list[int]:
+    """The 4-word numpy seed torch's DataLoader gives worker ``worker_id``."""
+    words = [worker_id, base_seed & _MASK32, base_seed >> 32, 0]
+    return np.random.SeedSequence(words).generate_state(4).tolist()
+
+
+def seed_worker(base_seed: int, worker_id: int) -> int:
+    """Seed this process's RNGs as torch seeds a DataLoader worker; return the seed."""
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(numpy_worker_state(base_seed, worker_id))
+    return seed
+
+
+def batch_seed(base_seed: int, epoch: int, batch_index: int) -> int:
+    """A 63-bit seed that depends only on (base_seed, epoch, batch_index)."""
+    words = [base_seed & _MASK32, base_seed >> 32, epoch & _MASK32, batch_index & _MASK32,
+             batch_index >> 32]
+    lo, hi = np.random.SeedSequence(words).generate_state(2).tolist()
+    return ((hi << 32) | lo) & 0x7FFFFFFFFFFFFFFF
+
+
+def seed_batch(base_seed: int, epoch: int, batch_index: int) -> None:
+    """Reseed torch, ``random`` and numpy for one batch (per-batch seeding)."""
+    seed = batch_seed(base_seed, epoch, batch_index)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(numpy_worker_state(seed, 0))

@@ -1,0 +1,194 @@
+"""The worker process: everything that runs on the far side of the index queue.
+
+A worker seeds itself as torch does, publishes ``get_worker_info()``, runs
+``worker_init_fn``, then answers tasks from its own index queue until told to
+stop.  Each answer is one message on the shared result queue:
+``(send_idx, payload)``, where payload is the packed batch, a ``WorkerFailure``
+or an ``IterableExhausted`` marker.
+
+Two rules keep the main process from ever hanging on a worker:
+
+* the result is pickled here, in the worker's main thread, before it is queued.
+  A batch that cannot be pickled becomes an error that names the offending leaf,
+  instead of dying silently in the queue's feeder thread (pytorch#142884);
+* a watchdog thread ends the worker within half a second of the main process
+  going away, even while user code is busy in ``__getitem__``.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable
+
+import torch
+import torch.utils.data._utils.worker as _torch_worker
+
+from . import _seeding
+from ._errors import WorkerFailure
+from ._fetch import create_fetcher
+from ._pickling import describe_unpicklable
+
+POLL_INTERVAL = 0.25  # seconds between checks that the main process is alive
+
+
+@dataclass
+class Task:
+    send_idx: int       # position in this epoch's stream of tasks (reorder key)
+    batch_index: int    # position of the batch in the epoch (stable across resume)
+    indices: Any        # sample indices, or a list of Nones for iterable datasets
+
+
+@dataclass
+class ResumeIteration:
+    """Start a new epoch with persistent workers."""
+    epoch: int
+
+
+@dataclass
+class IterableExhausted:
+    worker_id: int
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs, pickled once per worker at start."""
+    is_iterable: bool
+    dataset: Any
+    auto_collation: bool
+    collate_fn: Callable
+    drop_last: bool
+    base_seed: int
+    worker_init_fn: Callable | None
+    num_workers: int
+    epoch: int
+    seed_per_batch: bool
+    main_pid: int
+
+
+def _main_process_alive(main_pid: int, parent_pid: int) -> bool:
+    if os.getppid() != parent_pid:
+        return False
+    try:
+        os.kill(main_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _watch_main_process(main_pid: int, parent_pid: int) -> None:
+    while _main_process_alive(main_pid, parent_pid):
+        time.sleep(POLL_INTERVAL)
+    # The main process is gone: nobody will read what we produce, and user
+    # code may be busy for a long time.  Leave now.
+    os._exit(0)
+
+
+def _serialize(send_idx: int, payload, worker_id: int, task: Task | None):
+    """The result message: (send_idx, worker_id, pickled payload).
+
+    The envelope always pickles, and names the sender, so the main process can
+    blame the right worker even when the payload cannot be rebuilt (its
+    sender died before handing over a file descriptor, say)."""
+    try:
+        return send_idx, worker_id, bytes(ForkingPickler.dumps(payload))
+    except Exception as exc:
+        detail = describe_unpicklable(payload)
+        error = TypeError(
+            f"DataLoader worker {worker_id} built a batch that cannot be sent to the main "
+            f"process: {detail}. Convert it to a tensor, array, number or string in "
+            f"__getitem__ or collate_fn, or drop it from the sample.")
+        error.__cause__ = exc
+        failure = WorkerFailure(error, worker_id, "sending",
+                                task.indices if task else None,
+                                task.batch_index if task else None)
+        return send_idx, worker_id, bytes(ForkingPickler.dumps(failure))
+
+
+def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, channel) -> None:
+    # Ctrl-C reaches the whole process group; the main process decides when
+    # workers stop, so a worker must not die half-way through a message.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.enable()  # a segfault prints the worker's Python stack to stderr
+    parent_pid = os.getppid()
+    threading.Thread(target=_watch_main_process, args=(spec.main_pid, parent_pid),
+                     name="torchfeed-watchdog", daemon=True).start()
+    # Nobody else reads the result queue in a worker; holding its read end open
+    # would keep a dead main process's pipe alive.
+    result_queue._reader.close()
+
+    torch.set_num_threads(1)
+    seed = _seeding.seed_worker(spec.base_seed, worker_id)
+    dataset = spec.dataset
+    _torch_worker._worker_info = _torch_worker.WorkerInfo(
+        id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset)
+
+    init_failure = None
+    try:
+        if spec.worker_init_fn is not None:
+            spec.worker_init_fn(worker_id)
+    except Exception as exc:
+        init_failure = WorkerFailure(exc, worker_id, "worker_init_fn")
+
+    packer = channel.packer(worker_id)
+    epoch = spec.epoch
+    fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
+                             spec.collate_fn, spec.drop_last)
+    exhausted = False
+    try:
+        while True:
+            try:
+                task = index_queue.get(timeout=POLL_INTERVAL)
+            except queue.Empty:
+                if not _main_process_alive(spec.main_pid, parent_pid):
+                    break
+                continue
+            if task is None:
+                break
+            if isinstance(task, ResumeIteration):
+                epoch = task.epoch
+                exhausted = False
+                fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
+                                         spec.collate_fn, spec.drop_last)
+                result_queue.put((task, worker_id, None))
+                continue
+            if exhausted:
+                continue  # the main process stops sending once it hears we ended
+            if init_failure is not None:
+                payload, init_failure = init_failure, None
+            else:
+                payload = _run_task(task, fetcher, spec, worker_id, epoch, packer)
+                if isinstance(payload, IterableExhausted):
+                    exhausted = True
+            result_queue.put(_serialize(task.send_idx, payload, worker_id, task))
+            del payload, task
+    finally:
+        # Whatever is still buffered is for an iterator that is going away;
+        # waiting to flush it could block forever on a full pipe.
+        result_queue.cancel_join_thread()
+        result_queue.close()
+
+
+def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int, packer):
+    if spec.seed_per_batch:
+        _seeding.seed_batch(spec.base_seed, epoch, task.batch_index)
+    try:
+        batch = fetcher.fetch(task.indices)
+    except StopIteration:
+        if spec.is_iterable:
+            return IterableExhausted(worker_id)
+        return WorkerFailure(RuntimeError("StopIteration raised while fetching a batch"),
+                             worker_id, "fetching", task.indices, task.batch_index)
+    except Exception as exc:
+        return WorkerFailure(exc, worker_id, "fetching", task.indices, task.batch_index)
+    try:
+        return packer.pack(batch)
+    except Exception as exc:
+        return WorkerFailure(exc, worker_id, "packing", task.indices, task.batch_index)

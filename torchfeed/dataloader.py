@@ -1,0 +1,67 @@
+"""``torchfeed.DataLoader``: torch's constructor, torchfeed's iterators.
+
+The class subclasses ``torch.utils.data.DataLoader`` and lets torch's own
+``__init__`` validate and store every argument, so the exception types,
+messages, defaults and public attributes are torch's by construction, and
+``isinstance`` checks and frameworks that rebuild a loader from its attributes
+(Lightning, Accelerate) keep working.  What changes is the iterator behind
+``iter()``.
+
+torchfeed's own options are keyword-only and stored under their own names, so a
+loader rebuilt from its attributes keeps them too.
+"""
+from __future__ import annotations
+
+import torch.utils.data
+
+from ._multiprocess import MultiProcessIterator
+from ._options import resolve_transport, validate_options
+from ._single_process import SingleProcessIterator
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """A drop-in replacement for :class:`torch.utils.data.DataLoader`.
+
+    Takes exactly torch's arguments, with torch's defaults and validation, plus
+    these keyword-only options:
+
+    Args:
+        transport (str): how batches cross from workers to the main process.
+            ``"shm"`` (default) sends whole batches through reusable
+            shared-memory slots; ``"torch"`` uses torch's own path, for
+            comparison and debugging.  The ``TORCHFEED_TRANSPORT`` environment
+            variable sets the default.
+        seed_per_batch (bool): reseed torch, ``random`` and numpy before each
+            batch from ``(base seed, epoch, batch index)``, so random
+            augmentations are the same for any ``num_workers`` and are restored
+            exactly on resume.  Default ``False`` (torch's per-worker seeding).
+        snapshot_every_n_steps (int): accepted for drop-in compatibility with
+            torchdata's ``StatefulDataLoader`` and ignored: ``state_dict()`` is
+            exact and cheap at every step.
+    """
+
+    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
+                 num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
+                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                 prefetch_factor=None, persistent_workers=False, pin_memory_device="",
+                 in_order=True, transport=None, seed_per_batch=False,
+                 snapshot_every_n_steps=None):
+        super().__init__(
+            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+            batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+            pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            generator=generator, prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
+            in_order=in_order)
+        validate_options(seed_per_batch=seed_per_batch,
+                         snapshot_every_n_steps=snapshot_every_n_steps)
+        self.transport = resolve_transport(transport)
+        self.seed_per_batch = seed_per_batch
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            return SingleProcessIterator(self)
+        self.check_worker_number_rationality()
+        return MultiProcessIterator(self)
