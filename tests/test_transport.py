@@ -319,12 +319,12 @@ def test_torch_transport_escape_hatch(monkeypatch):
 
 # -- nothing leaks -------------------------------------------------------------------
 
-def _no_leftovers(pids, shm_before):
+def _no_leftovers(pids, shm_before, used=()):
     assert h.wait_until(lambda: not any(h.alive(pid) for pid in pids)), "process left behind"
     for pid in pids:
         assert h.memfd_refs(pid) == []
     assert h.memfd_refs(os.getpid()) == []
-    assert h.new_shm_entries(shm_before) == set()
+    assert h.leftover_shm(shm_before, pids + [os.getpid()], used) == set()
 
 
 @pytest.mark.timeout(60)
@@ -398,13 +398,14 @@ def test_no_leak_after_main_process_sigkill(method):
         workers = [int(x) for x in proc.stdout.readline().split()]
         assert len(workers) == 2
         assert all(h.memfd_refs(pid) for pid in workers + [proc.pid])
+        used = h.shm_entries_of(workers + [proc.pid])
         proc.kill()
         proc.wait(10)
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.stdout.close()
-    _no_leftovers(workers + [proc.pid], before)
+    _no_leftovers(workers + [proc.pid], before, used)
 
 
 # -- the channel itself ----------------------------------------------------------------

@@ -297,7 +297,35 @@ def wait_until(pred, timeout=10.0, interval=0.05):
     return pred()
 
 
-def new_shm_entries(before, timeout=5.0):
-    """Entries added to /dev/shm since ``before`` that are still there after ``timeout``."""
-    wait_until(lambda: not (dev_shm() - before), timeout)
-    return dev_shm() - before
+def shm_entries_of(pids):
+    """/dev/shm entries that processes ``pids`` have mapped right now."""
+    names = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    if "/dev/shm/" in line:
+                        names.add(line.split("/dev/shm/", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return names
+
+
+def leftover_shm(before, pids, used=(), timeout=15.0):
+    """Entries in /dev/shm that these processes made and left behind.
+
+    The machine's /dev/shm is shared with other sessions, so an entry counts
+    only if it can be ours: named after torchfeed, a torch segment named after
+    one of ``pids``, or one ``used`` (mapped by our processes while they ran).
+    Python's resource tracker removes a killed program's semaphores a moment
+    after its last process exits; ``timeout`` leaves it that moment.
+    """
+    prefixes = tuple(f"torch_{pid}_" for pid in pids)
+    used = set(used)
+
+    def ours():
+        return {n for n in dev_shm() - before
+                if "torchfeed" in n or n.startswith(prefixes)} | (used & dev_shm())
+
+    wait_until(lambda: not ours(), timeout)
+    return ours()
