@@ -138,9 +138,11 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
         init_failure = WorkerFailure(exc, worker_id, "worker_init_fn")
 
     packer = channel.packer(worker_id)
+    # torch's default_collate becomes one that stacks straight into the transport's slot.
+    collate_fn = packer.choose_collate(spec.collate_fn)
     epoch = spec.epoch
     fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
-                             spec.collate_fn, spec.drop_last)
+                             collate_fn, spec.drop_last)
     exhausted = False
     try:
         while True:
@@ -156,7 +158,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 epoch = task.epoch
                 exhausted = False
                 fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
-                                         spec.collate_fn, spec.drop_last)
+                                         collate_fn, spec.drop_last)
                 result_queue.put((task, worker_id, None))
                 continue
             if exhausted:

@@ -19,7 +19,8 @@ Usage::
     channel = create_channel(num_workers, mp_context, options)  # main, before workers
     # worker process (channel passed as a Process argument):
     packer = channel.packer(worker_id)
-    payload = packer.pack(batch)            # or packer.pack(packer.collate(samples))
+    collate_fn = packer.choose_collate(collate_fn)  # default_collate -> into the slot
+    payload = packer.pack(collate_fn(samples))
     # main process:
     unpacker = channel.unpacker()
     batch = unpacker.unpack(payload)
@@ -116,9 +117,8 @@ class _IdentityPacker:
     def __init__(self, worker_id):
         self.worker_id = worker_id
 
-    def collate(self, samples):
-        from torch.utils.data._utils.collate import default_collate
-        return default_collate(samples)
+    def choose_collate(self, collate_fn):
+        return collate_fn
 
     def pack(self, batch):
         return batch

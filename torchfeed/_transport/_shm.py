@@ -32,7 +32,7 @@ import weakref
 from multiprocessing import reduction
 
 from . import _layout, _slots, _space
-from ._collate import DirectCollate
+from ._collate import DirectCollate, is_default_collate
 
 
 class ShmFallbackWarning(UserWarning):
@@ -157,6 +157,14 @@ class Packer:
             self.pool = _slots.WorkerPool(fd, channel.budget // max(1, channel.num_workers),
                                           channel.max_slots, channel.idle_batches)
             self._channel_budget = (channel.budget, channel.budget_source)
+
+    def choose_collate(self, collate_fn):
+        """The collate function this worker should call: for torch's
+        ``default_collate``, :meth:`collate` (same result, stacked straight into
+        a slot); any other function unchanged."""
+        if self.pool is not None and is_default_collate(collate_fn):
+            return self.collate
+        return collate_fn
 
     def collate(self, samples):
         """``default_collate(samples)``, with tensors stacked straight into a slot."""
