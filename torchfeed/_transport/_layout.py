@@ -3,7 +3,8 @@
 The batch is pickled, in the worker, by a pickler with a persistent-id hook.
 Every plain CPU tensor and every numpy array without Python objects in it is
 not pickled: it becomes a *leaf*, given an aligned offset in the slot, and only
-a short id ``(kind, offset, shape, dtype)`` goes into the pickle. Everything
+its index goes into the pickle; its descriptor ``(kind, offset, ..., shape,
+dtype)`` travels beside the pickle. Everything
 else (dict, list, tuple, namedtuple, dataclass, custom Mapping/Sequence types,
 str, int, arbitrary objects, even tensors held inside objects' attributes) is
 pickled as usual, so the batch comes back with exactly the types, nesting and
@@ -28,6 +29,7 @@ different views of one storage come back as two separate copies.
 
 from __future__ import annotations
 
+import copyreg
 import io
 import pickle
 from multiprocessing.reduction import ForkingPickler
@@ -37,11 +39,12 @@ import torch
 
 ALIGN = 64
 
-# Leaf kinds in a persistent id.
+# Leaf descriptors. The pickle holds only each leaf's index into the list of
+# descriptors (an int pid, which the pickler saves without further calls to
+# persistent_id); the descriptors travel beside it as plain tuples.
 K_TORCH_NP = 0   # (0, start, end, shape, numpy dtype str): torch.from_numpy(view)
 K_TORCH_BUF = 1  # (1, start, shape, torch dtype code, numel): torch.frombuffer
 K_NUMPY = 2      # (2, start, end, shape, numpy dtype str or dtype): view
-K_SAME = 3       # (3, ordinal): the same object as an earlier leaf
 
 
 class SlotOwner(np.ndarray):
@@ -84,22 +87,40 @@ def _slot_tensor(t) -> bool:
             and not t.is_quantized and not t.is_nested)
 
 
-class LeafPickler(ForkingPickler):
+_dispatch: dict = {}
+_dispatch_sizes = [(-1, -1)]
+
+
+def _dispatch_table():
+    """copyreg's reductions plus multiprocessing's (torch registers its own
+    there); what ``ForkingPickler`` uses, without copying it per batch."""
+    sizes = (len(copyreg.dispatch_table), len(ForkingPickler._extra_reducers))
+    if sizes != _dispatch_sizes[0]:
+        _dispatch.clear()
+        _dispatch.update(copyreg.dispatch_table)
+        _dispatch.update(ForkingPickler._extra_reducers)
+        _dispatch_sizes[0] = sizes
+    return _dispatch
+
+
+class LeafPickler(pickle.Pickler):
     """Pickles a batch, collecting its array leaves instead of pickling them.
 
     After ``dump``: ``leaves`` lists ``(array, offset)`` to copy into the slot,
     and ``end`` is the bytes the slot needs. ``direct`` maps ``id(tensor)`` to
     ``(tensor, offset)`` for tensors already written in the slot (by the
-    direct collate), which are referenced, not copied.
+    direct collate), which are referenced, not copied. Everything else is
+    pickled as ``ForkingPickler`` would.
     """
 
     def __init__(self, file, start: int = 0, direct=None):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self.dispatch_table = _dispatch_table()
         self.leaves: list = []
         self.end = start
         self.direct = direct
+        self.descs: list = []
         self._seen: dict = {}
-        self._n = 0
 
     def _alloc(self, nbytes: int) -> int:
         off = (self.end + ALIGN - 1) & ~(ALIGN - 1)
@@ -118,16 +139,17 @@ class LeafPickler(ForkingPickler):
             return None
         seen = self._seen.get(id(obj))
         if seen is not None and seen[0] is obj:
-            return (K_SAME, seen[1])
-        self._seen[id(obj)] = (obj, self._n)
-        self._n += 1
+            return seen[1]  # the same object again: pickle's identity semantics
+        i = len(self.descs)
+        self._seen[id(obj)] = (obj, i)
         shape = tuple(obj.shape)
         if tp is np.ndarray:
             off = self._alloc(obj.nbytes)
             self.leaves.append((obj, off))
             dt = obj.dtype
-            return (K_NUMPY, off, self.end, shape,
-                    dt if dt.fields is not None or dt.subdtype else dt.str)
+            self.descs.append((K_NUMPY, off, self.end, shape,
+                               dt if dt.fields is not None or dt.subdtype else dt.str))
+            return i
         d = self.direct.get(id(obj)) if self.direct else None
         if d is not None and d[0] is obj:
             off = d[1]
@@ -136,64 +158,88 @@ class LeafPickler(ForkingPickler):
             self.leaves.append((obj, off))
         npdt = _NUMPY_OF_TORCH.get(obj.dtype)
         if npdt is not None:
-            return (K_TORCH_NP, off, off + obj.nbytes, shape, npdt)
-        return (K_TORCH_BUF, off, shape, _TORCH_CODE[obj.dtype], obj.numel())
+            self.descs.append((K_TORCH_NP, off, off + obj.nbytes, shape, npdt))
+        else:
+            self.descs.append((K_TORCH_BUF, off, shape, _TORCH_CODE[obj.dtype], obj.numel()))
+        return i
 
 
 def dump(batch, start: int = 0, direct=None) -> LeafPickler:
-    """Pickle ``batch``; the returned pickler carries ``data``, ``leaves``, ``end``."""
+    """Pickle ``batch``; the pickler returned carries ``data``, ``descs``,
+    ``leaves`` and ``end``."""
     buf = io.BytesIO()
     p = LeafPickler(buf, start, direct)
     p.dump(batch)
     p.data = buf.getvalue()
+    p.descs = tuple(p.descs)
     return p
 
 
-def copy_leaves(leaves, u8: torch.Tensor, arr: np.ndarray) -> None:
-    """Write every ``(array, offset)`` leaf into the slot whose bytes are ``u8``/``arr``."""
+def copy_leaves(leaves, slot) -> None:
+    """Write every ``(array, offset)`` leaf into ``slot`` (a ``_slots.WorkerSlot``)."""
+    arr = slot.arr
     for src, off in leaves:
         n = src.nbytes
         if n == 0:
             continue
-        if type(src) is np.ndarray:
-            dst = arr[off:off + n].view(src.dtype).reshape(src.shape)
-            np.copyto(dst, src, casting="no")
+        if type(src) is torch.Tensor:
+            npdt = _NUMPY_OF_TORCH.get(src.dtype)
+            if npdt is None or src.is_conj() or src.is_neg():
+                typed = slot.typed(src.dtype)
+                typed.as_strided(src.shape, _contiguous_strides(src.shape),
+                                 off // src.itemsize).copy_(src)
+                continue
+            src = src.numpy()  # numpy's calls cost a fraction of torch's for small leaves
+        if src.flags.c_contiguous:
+            arr[off:off + n] = src.reshape(-1).view(np.uint8)
         else:
-            u8[off:off + n].view(src.dtype).view(src.shape).copy_(src)
+            np.copyto(arr[off:off + n].view(src.dtype).reshape(src.shape), src, casting="no")
+
+
+def _contiguous_strides(shape):
+    strides = []
+    step = 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return strides[::-1]
 
 
 class LeafUnpickler(pickle.Unpickler):
     """Loads a batch pickled by :class:`LeafPickler`, leaves as views of ``owner``."""
 
-    def __init__(self, data: bytes, owner: SlotOwner):
+    def __init__(self, data: bytes, descs: tuple, owner: SlotOwner):
         super().__init__(io.BytesIO(data))
+        self.descs = descs
         self.owner = owner
-        self.built: list = []
+        self.built = [None] * len(descs)
 
-    def persistent_load(self, pid):
-        kind = pid[0]
+    def persistent_load(self, i):
+        x = self.built[i]
+        if x is not None:
+            return x
+        d = self.descs[i]
+        kind = d[0]
         if kind == K_TORCH_NP:
-            x = torch.from_numpy(self.owner[pid[1]:pid[2]].view(_np_dtype(pid[4]), np.ndarray)
-                                 .reshape(pid[3]))
+            x = torch.from_numpy(self.owner[d[1]:d[2]].view(_np_dtype(d[4]), np.ndarray)
+                                 .reshape(d[3]))
         elif kind == K_NUMPY:
-            dt = pid[4]
-            x = self.owner[pid[1]:pid[2]].view(_np_dtype(dt) if type(dt) is str else dt,
-                                               np.ndarray).reshape(pid[3])
+            dt = d[4]
+            x = self.owner[d[1]:d[2]].view(_np_dtype(dt) if type(dt) is str else dt,
+                                           np.ndarray).reshape(d[3])
         elif kind == K_TORCH_BUF:
-            dtype = TORCH_DTYPES[pid[3]]
-            if pid[4] == 0:
-                x = torch.empty(pid[2], dtype=dtype)
+            dtype = TORCH_DTYPES[d[3]]
+            if d[4] == 0:
+                x = torch.empty(d[2], dtype=dtype)
             else:
-                x = torch.frombuffer(self.owner, dtype=dtype, count=pid[4],
-                                     offset=pid[1]).view(pid[2])
-        elif kind == K_SAME:
-            return self.built[pid[1]]
+                x = torch.frombuffer(self.owner, dtype=dtype, count=d[4],
+                                     offset=d[1]).view(d[2])
         else:
             raise pickle.UnpicklingError(f"torchfeed transport: unknown leaf kind {kind!r}")
-        self.built.append(x)
+        self.built[i] = x
         return x
 
 
-def load(data: bytes, owner: SlotOwner):
+def load(data: bytes, descs: tuple, owner: SlotOwner):
     """Rebuild the batch pickled in ``data``; its leaves view ``owner``."""
-    return LeafUnpickler(data, owner).load()
+    return LeafUnpickler(data, descs, owner).load()

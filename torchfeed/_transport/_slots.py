@@ -49,7 +49,7 @@ FIRST_REGION = REGION_ALIGN
 FREE, IN_FLIGHT = 0, 1
 
 # int64 counters at byte 8 of the control block, written by the worker only.
-C_ALLOCATIONS, C_RETIRED, C_BYTES, C_SLOTS, C_FALLBACKS, C_PACKED = range(6)
+C_ALLOCATIONS, C_RETIRED, C_BYTES, C_SLOTS, C_FALLBACKS, C_PACKED, C_DIRECT = range(7)
 N_COUNTERS = 7
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
@@ -153,12 +153,20 @@ def _round_up(n: int, to: int) -> int:
 class WorkerSlot:
     """A slot as the worker sees it: its region mapped read-write."""
 
-    __slots__ = ("idx", "uid", "off", "cap", "arr", "u8", "last_used")
+    __slots__ = ("idx", "uid", "off", "cap", "arr", "u8", "last_used", "_typed")
 
     def __init__(self, idx, uid, off, cap, arr):
         self.idx, self.uid, self.off, self.cap, self.arr = idx, uid, off, cap, arr
         self.u8 = torch.from_numpy(arr)
         self.last_used = 0
+        self._typed = {}
+
+    def typed(self, dtype):
+        """The whole slot as a 1-D tensor of ``dtype`` (cached)."""
+        t = self._typed.get(dtype)
+        if t is None:
+            t = self._typed[dtype] = self.u8.view(dtype)
+        return t
 
 
 class WorkerPool:
@@ -242,7 +250,7 @@ class WorkerPool:
         """Give a free slot's memory back to the system."""
         del self.slots[slot.idx]
         punch_hole(self.fd, slot.off, slot.cap)
-        slot.u8 = slot.arr = None  # unmapped once no view is left
+        slot.u8 = slot.arr = slot._typed = None  # unmapped once no view is left
         self.free_idx.append(slot.idx)
         self._give_region(slot.off, slot.cap)
         self.bytes -= slot.cap
@@ -271,7 +279,7 @@ class WorkerPool:
 
     def close(self) -> None:
         for s in self.slots.values():
-            s.u8 = s.arr = None
+            s.u8 = s.arr = s._typed = None
         self.slots.clear()
 
 
