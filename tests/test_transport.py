@@ -145,28 +145,46 @@ def test_leaves_are_writable_and_independent():
 def test_direct_collate_matches_default_collate(as_torch_worker):
     # as_torch_worker: torch's get_worker_info() is set, as in a DataLoader
     # worker, where torch's default_collate would allocate shared memory itself.
+    side = 1 << 14  # batches of 1.5 MiB: big enough to be stacked straight into a slot
     with h.Pipeline(1, direct=True, as_torch_worker=as_torch_worker) as p:
         held = []
         for _ in range(6):
-            i, batch = p.get("collate")
-            want = default_collate(h.samples_for(i))
+            i, batch = p.get("collate", side=side)
+            want = default_collate(h.samples_for(i, side=side))
             assert_same(batch, want)
             ranges = slot_ranges()
             assert all(in_slot(t.data_ptr(), ranges) for t in tensor_leaves(batch))
             held.append((i, batch))
         for i, batch in held:  # batches held meanwhile were not overwritten
-            assert_same(batch, default_collate(h.samples_for(i)))
-        assert p.unpacker.stats()["fallbacks"] == 0
+            assert_same(batch, default_collate(h.samples_for(i, side=side)))
+        st = p.unpacker.stats()
+        assert st["fallbacks"] == 0
+        assert st["direct_bytes"] >= 5 * 8 * 3 * side * 4  # all but the first batch
 
 
 @pytest.mark.timeout(60)
 def test_direct_collate_batch_bigger_than_reserved_slot():
     with h.Pipeline(1, direct=True) as p:
-        sizes = [4, 4, 64, 64, 8]
-        for n in sizes:
-            i, batch = p.get("collate", n=n)
-            assert_same(batch, default_collate(h.samples_for(i, n=n)))
+        for n in [4, 4, 64, 64, 8, 1, 64]:
+            i, batch = p.get("collate", n=n, side=1 << 13)
+            assert_same(batch, default_collate(h.samples_for(i, n=n, side=1 << 13)))
             del batch
+        assert p.unpacker.stats()["direct_bytes"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_direct_collate_falls_back_cleanly_when_no_bigger_slot_can_be_had():
+    # One slot only: the second batch starts stacking into it, outgrows it, and
+    # cannot have another, so it must leave through torch's path intact.
+    with h.Pipeline(1, direct=True, options={"max_slots_per_worker": 1}) as p:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for extra in (1, 1, 1 << 18, 1):
+                i, batch = p.get("collate2", extra=extra)
+                assert_same(batch, default_collate(h.two_tensor_samples(i, extra=extra)))
+                del batch
+        assert p.unpacker.stats()["fallbacks"] == 1
+        assert len([x for x in w if issubclass(x.category, ShmFallbackWarning)]) == 1
 
 
 # -- recycling, growth, bounds -----------------------------------------------------
@@ -426,7 +444,7 @@ def test_channel_in_one_process_and_stats():
     packer.close()
     unpacker.close()
     with pytest.raises(RuntimeError, match="closed"):
-        unpacker.unpack(("x",) * 6)
+        unpacker.unpack(("x",) * 7)
     assert h.memfd_refs(os.getpid()) == []
 
 

@@ -156,11 +156,20 @@ MAKERS = {"every_leaf": every_leaf, "image": image_batch, "sized": sized_batch,
           "big": big_batch}
 
 
-def samples_for(i, n=8):
+def samples_for(i, n=8, side=4):
     """Samples for default_collate: a tuple of a tensor, numpy array, float, int, str, dict."""
-    return [(torch.full((3, 4), float(i * n + j)), np.arange(2, dtype=np.int32) + j,
+    return [(torch.full((3, side), float(i * n + j)), np.arange(2, dtype=np.int32) + j,
              0.5 * j, j, f"s{j}", {"p": Point(torch.tensor([j]), np.float32(j))})
             for j in range(n)]
+
+
+def two_tensor_samples(i, n=8, side=1 << 13, extra=1):
+    """Samples whose second tensor can outgrow the slot the first was stacked into."""
+    return [(torch.full((3, side), float(i * n + j)), torch.full((extra,), float(j)))
+            for j in range(n)]
+
+
+SAMPLERS = {"collate": samples_for, "collate2": two_tensor_samples}
 
 
 def worker_loop(channel, worker_id, task_q, result_q, direct=False, as_torch_worker=False):
@@ -181,8 +190,8 @@ def worker_loop(channel, worker_id, task_q, result_q, direct=False, as_torch_wor
         if task is None:
             return
         i, maker, kwargs = task
-        if maker == "collate":
-            samples = samples_for(i, **kwargs)
+        if maker in SAMPLERS:
+            samples = SAMPLERS[maker](i, **kwargs)
             if direct:
                 payload = packer.pack(packer.collate(samples))
             else:

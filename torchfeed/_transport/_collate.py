@@ -21,7 +21,7 @@ import math
 import torch
 from torch.utils.data._utils import collate as _torch_collate
 
-ALIGN = 64
+from . import _layout
 
 
 class DirectCollate:
@@ -42,14 +42,13 @@ class DirectCollate:
         if slot is None:
             return None
         numel = math.prod(shape)
-        nbytes = numel * dtype.itemsize
-        off = (self.used + ALIGN - 1) & ~(ALIGN - 1)
-        if nbytes == 0 or off + nbytes > slot.cap:
+        itemsize = dtype.itemsize
+        off = (self.used + _layout.ALIGN - 1) & ~(_layout.ALIGN - 1)
+        if numel == 0 or off + numel * itemsize > slot.cap:
             return None
-        self.used = off + nbytes
-        # A tensor with a storage of its own: if it ever leaves through torch's
-        # reductions, torch moves that storage, never the slot's.
-        out = torch.frombuffer(slot.arr, dtype=dtype, count=numel, offset=off).view(shape)
+        self.used = off + numel * itemsize
+        out = slot.typed(dtype).as_strided(shape, _layout._contiguous_strides(shape),
+                                           off // itemsize)
         self.direct[id(out)] = (out, off)
         return out
 

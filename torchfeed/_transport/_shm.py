@@ -6,7 +6,7 @@ worker (``_slots.py``); pickling it for spawn or forkserver passes the
 descriptors with the process, fork inherits them.
 
 A packed batch is a tuple ``(worker_id, slot_idx, slot_uid, offset, capacity,
-pickle_bytes)``: a few hundred bytes, whatever the batch size. A batch that
+pickle_bytes, leaf_descriptors)``: a few hundred bytes, whatever the batch size. A batch that
 cannot have a slot (budget or pool exhausted, shared memory short) is sent as
 ``Plain(batch)`` through torch's own reductions instead; the main process warns
 once per channel when that happens for lack of space.
@@ -33,6 +33,9 @@ from multiprocessing import reduction
 
 from . import _layout, _slots, _space
 from ._collate import DirectCollate, is_default_collate
+
+
+DIRECT_MIN_BYTES = 1 << 18
 
 
 class ShmFallbackWarning(UserWarning):
@@ -170,7 +173,9 @@ class Packer:
         """``default_collate(samples)``, with tensors stacked straight into a slot."""
         c = self._collate
         c.reset(None)
-        if self.pool is not None and self._last_nbytes:
+        # Small batches are stacked into ordinary memory and copied: for them
+        # the copy costs less than stacking into views does.
+        if self.pool is not None and self._last_nbytes >= DIRECT_MIN_BYTES:
             slot, _ = self.pool.acquire(self._last_nbytes)
             c.reset(slot)
         return c(samples)
@@ -189,7 +194,8 @@ class Packer:
         need = p.end
         if reserved is not None and need <= reserved.cap:
             slot = reserved
-            _layout.copy_leaves(p.leaves, slot.u8, slot.arr)
+            _layout.copy_leaves(p.leaves, slot)
+            self.pool.counters[_slots.C_DIRECT] += c.used
         else:
             slot, reason = self.pool.acquire(need, exclude=reserved)
             if slot is None:
@@ -202,12 +208,12 @@ class Packer:
                 return Plain(batch, self._warning(reason))
             if reserved is not None:  # the batch outgrew the reserved slot: copy it all
                 p = _layout.dump(batch)
-            _layout.copy_leaves(p.leaves, slot.u8, slot.arr)
+            _layout.copy_leaves(p.leaves, slot)
         self._last_nbytes = need
         pool = self.pool
         pool.states[slot.idx] = _slots.IN_FLIGHT
         pool.counters[_slots.C_PACKED] += 1
-        return (self.worker_id, slot.idx, slot.uid, slot.off, slot.cap, p.data)
+        return (self.worker_id, slot.idx, slot.uid, slot.off, slot.cap, p.data, p.descs)
 
     def _warning(self, reason):
         if self._warned:
@@ -281,13 +287,13 @@ class Unpacker:
             return self._plain(payload)
         if self.closed:
             raise RuntimeError("torchfeed: unpack() after the transport was closed")
-        w, idx, uid, off, cap, data = payload
+        w, idx, uid, off, cap, data, descs = payload
         entry = self._slot(w, idx, uid, off, cap)
         owner = entry.base.view(_layout.SlotOwner)
         entry.ref = weakref.ref(owner, entry.release)
         self.in_use += 1
         self.unpacked += 1
-        return _layout.load(data, owner)
+        return _layout.load(data, descs, owner)
 
     def _plain(self, payload):
         if type(payload) is not Plain:
@@ -307,7 +313,7 @@ class Unpacker:
     def stats(self) -> dict:
         """Slot counters summed over the workers, plus this process's view."""
         tot = {"slots": 0, "bytes": 0, "allocations": 0, "retired": 0, "packed": 0,
-               "worker_fallbacks": 0}
+               "worker_fallbacks": 0, "direct_bytes": 0}
         if not self.closed:
             for ctrl in self._ctrl:
                 c = ctrl.counters
@@ -317,6 +323,7 @@ class Unpacker:
                 tot["retired"] += int(c[_slots.C_RETIRED])
                 tot["packed"] += int(c[_slots.C_PACKED])
                 tot["worker_fallbacks"] += int(c[_slots.C_FALLBACKS])
+                tot["direct_bytes"] += int(c[_slots.C_DIRECT])
         tot.update(transport="shm", in_use=self.in_use, unpacked=self.unpacked,
                    fallbacks=self.fallbacks, closed=self.closed)
         return tot
