@@ -216,10 +216,17 @@ class Packer:
         return (self.worker_id, slot.idx, slot.uid, slot.off, slot.cap, p.data, p.descs)
 
     def _warning(self, reason):
-        if self._warned:
+        """The one warning for this worker's first shortage of shared memory.
+
+        A full pool is not a shortage: it means the consumer holds
+        ``max_slots_per_worker`` batches of this worker, and the rest go
+        torch's way quietly (``stats()["fallbacks"]`` counts them), as a
+        ``list(loader)`` of a long epoch would.
+        """
+        kind = reason[0]
+        if self._warned or kind == "pool":
             return None
         self._warned = True
-        kind = reason[0]
         w = self.worker_id
         source = self._channel_budget[1]
         if kind == "budget":
@@ -228,12 +235,6 @@ class Packer:
                 f"{source}, split evenly across {self._num_workers} workers",
                 _space.dev_shm_free())
             return check.message(f"worker {w}'s slots (batches of {_space.human(reason[3])})")
-        if kind == "pool":
-            return (f"torchfeed: worker {w}'s shared-memory pool is full: {reason[1]} slots "
-                    f"({_space.human(reason[2])}) are held by batches still referenced in the "
-                    f"main process. Further batches go through torch's transport until some "
-                    f"are released; drop references to old batches sooner, or pass "
-                    f"transport='torch'.")
         return (f"torchfeed: worker {w} could not allocate {_space.human(reason[2])} of shared "
                 f"memory ({reason[1]}); batches that do not fit go through torch's transport, "
                 f"which puts them in /dev/shm. Free memory, or pass transport='torch'.")
