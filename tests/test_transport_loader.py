@@ -99,6 +99,29 @@ def test_default_transport_is_shm_and_batches_equal_torch(dataset):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_spawn_and_forkserver_workers(context):
+    loader = torchfeed.DataLoader(Records(), batch_size=4, num_workers=2,
+                                  multiprocessing_context=context)
+    got = list(loader)
+    want = list(torch.utils.data.DataLoader(Records(), batch_size=4))
+    assert len(got) == len(want) and all(map(_same, got, want))
+    assert _in_slot(got[-1]["t"]["f7"])
+
+
+@pytest.mark.timeout(120)
+def test_independent_of_torch_sharing_strategy():
+    old = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        got = list(torchfeed.DataLoader(Images(), batch_size=4, num_workers=2))
+    finally:
+        torch.multiprocessing.set_sharing_strategy(old)
+    assert [b.label[0].item() for b in got] == list(range(0, 24, 4))
+    assert _in_slot(got[0].image)
+
+
+@pytest.mark.timeout(120)
 def test_iterable_dataset_and_custom_collate():
     def collate(samples):
         return {"stacked": torch.stack(samples), "n": len(samples)}
