@@ -30,7 +30,10 @@ Usage::
 
 The transport is chosen by the ``transport`` option, else the environment
 variable ``TORCHFEED_TRANSPORT``, else ``"shm"``; where memfd is not available
-(not Linux) ``"shm"`` quietly means ``"torch"``.
+(not Linux) ``"shm"`` quietly means ``"torch"``. When the slots do not fit the
+shared-memory budget (``TORCHFEED_SHM_LIMIT``, or half the available memory),
+the batches that do not fit go torch's way and the main process warns once;
+nothing raises (see ``_space.py``).
 """
 
 from __future__ import annotations

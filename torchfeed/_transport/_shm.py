@@ -6,15 +6,16 @@ worker (``_slots.py``); pickling it for spawn or forkserver passes the
 descriptors with the process, fork inherits them.
 
 A packed batch is a tuple ``(worker_id, slot_idx, slot_uid, offset, capacity,
-pickle_bytes, leaf_descriptors)``: a few hundred bytes, whatever the batch size. A batch that
-cannot have a slot (budget or pool exhausted, shared memory short) is sent as
-``Plain(batch)`` through torch's own reductions instead; the main process warns
-once per channel when that happens for lack of space.
+pickle_bytes, leaf_descriptors)``: a few hundred bytes, whatever the batch
+size. A batch that cannot have a slot (budget or pool exhausted, shared memory
+short) is sent as ``Plain(batch)`` through torch's own reductions instead; the
+main process warns once per channel when that happens for lack of space.
 
 Recycling: the unpacker gives each batch a fresh ``SlotOwner`` view of its
-slot as owner, and a weak reference to it; the callback, run when the last view of the
-batch dies (in whatever thread drops it), flips the slot's state byte back to
-FREE. ``discard(payload)`` frees a slot whose batch will never be built.
+slot as owner, and a weak reference to it; the callback, run when the last
+view of the batch dies (in whatever thread drops it), flips the slot's state
+byte back to FREE. ``discard(payload)`` frees a slot whose batch will never be
+built.
 
 Ending: ``Unpacker.close()`` gives back the memory of every slot no batch in
 the user's hands still uses, closes the descriptors, and frees the remaining
@@ -36,6 +37,10 @@ from ._collate import DirectCollate, is_default_collate
 
 
 DIRECT_MIN_BYTES = 1 << 18
+
+# Slots still held by the user when their unpacker closed, until they die.
+# Module-level so that the weak references that watch them stay reachable.
+_HELD_AFTER_CLOSE: dict = {}
 
 
 class ShmFallbackWarning(UserWarning):
@@ -257,7 +262,6 @@ class Unpacker:
         self._ctrl = [_slots.ControlBlock(fd) for fd in self._fds]
         self._cache = [dict() for _ in self._fds]
         self._lock = threading.Lock()
-        self._held_after_close: dict = {}
         self._warned = channel.disabled_warning is not None
         self.closed = False
         self.in_use = 0
@@ -290,6 +294,9 @@ class Unpacker:
             raise RuntimeError("torchfeed: unpack() after the transport was closed")
         w, idx, uid, off, cap, data, descs = payload
         entry = self._slot(w, idx, uid, off, cap)
+        if entry.ref is not None and entry.ref() is not None:
+            raise RuntimeError(f"torchfeed transport: worker {w} reused slot {idx} while a "
+                               "batch in it was still alive (a bug; please report it)")
         owner = entry.base.view(_layout.SlotOwner)
         entry.ref = weakref.ref(owner, entry.release)
         self.in_use += 1
@@ -345,10 +352,9 @@ class Unpacker:
                     # Still in the user's hands: give its memory back when it dies.
                     keep.append((entry.off, entry.cap))
                     key = id(entry)
-                    self._held_after_close[key] = entry
+                    _HELD_AFTER_CLOSE[key] = entry
                     entry.release = None
-                    entry.ref = weakref.ref(owner, _punch_on_release(
-                        entry.map, self._held_after_close, key))
+                    entry.ref = weakref.ref(owner, _punch_on_release(entry.map, key))
                     del owner
             _slots.punch(fd, keep)
         self._cache = [dict() for _ in self._fds]
@@ -356,9 +362,9 @@ class Unpacker:
         self._channel._finalizer()
 
 
-def _punch_on_release(shared_map, held, key):
+def _punch_on_release(shared_map, key):
     def release(_ref):
-        held.pop(key, None)
+        _HELD_AFTER_CLOSE.pop(key, None)
         try:
             shared_map.remove()
         except OSError:
