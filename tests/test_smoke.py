@@ -26,3 +26,11 @@ def test_shuffled_batches_equal_torch(num_workers):
 
 def test_is_a_torch_dataloader():
     assert isinstance(torchfeed.DataLoader(_dataset()), torch.utils.data.DataLoader)
+
+
+@pytest.mark.timeout(60)
+def test_workers_start_under_capsys(capsys):
+    # capsys swaps sys.stderr for an object without a file descriptor; a worker
+    # that insists on one dies before its first task.
+    loader = torchfeed.DataLoader(range(4), batch_size=2, num_workers=1)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]

@@ -7,7 +7,8 @@ Everything public is re-exported here; the modules behind it are private.
 from torch.utils.data import default_collate, default_convert, get_worker_info
 from torch.utils.data._utils.worker import WorkerInfo
 
+from ._tuner import tune
 from .dataloader import DataLoader
 
-__all__ = ["DataLoader", "WorkerInfo", "default_collate", "default_convert", "get_worker_info"]
+__all__ = ["DataLoader", "WorkerInfo", "default_collate", "default_convert", "get_worker_info", "tune"]
 __version__ = "0.1.0"

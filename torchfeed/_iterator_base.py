@@ -1,19 +1,24 @@
 """What the single- and multi-process iterators share.
 
-The base iterator owns the index stream (the loader's sampler or batch
-sampler, turned into numbered tasks), counts what it has yielded, and applies
-torch's per-iterator rules: the base seed is drawn once per iterator from the
-loader's generator (or the global RNG), after the sampler's iterator is made,
-exactly as torch does, so iterating advances the global RNG no further than
-torch's DataLoader would; pin-memory warnings are torch's; an IterableDataset
-that yields more batches than its ``len()`` promised gets torch's warning.
+The base iterator drives the index stream (``_index_stream.py``: the loader's
+sampler or batch sampler, turned into numbered tasks, and the count of what
+reached the user, which is what ``state_dict()`` reports), and applies torch's
+per-iterator rules: the base seed is drawn once per iterator from the loader's
+generator (or the global RNG), after the sampler's iterator is made, exactly
+as torch does, so iterating advances the global RNG no further than torch's
+DataLoader would; pin-memory warnings are torch's; an IterableDataset that
+yields more batches than its ``len()`` promised gets torch's warning.
 """
 from __future__ import annotations
 
 import warnings
+from time import perf_counter
 
 import torch
 from torch.utils.data import IterableDataset
+
+from ._index_stream import IndexStream
+from ._stats import IteratorStats
 
 
 def pin_memory_plan(loader) -> tuple[bool, str | None]:
@@ -55,26 +60,23 @@ class BaseIterator:
         self._pin_memory, self._pin_memory_device = pin_memory_plan(loader)
         self._IterableDataset_len_called = loader._IterableDataset_len_called
         self._epoch = 0
-        self._start_stream()
-        self._base_seed = int(torch.empty((), dtype=torch.int64)
-                              .random_(generator=loader.generator).item())
+        self._stats = IteratorStats(self, loader)
+        self._stream = IndexStream(loader)
+        self._start_stream(fresh=True)  # also draws the base seed, or restores a resumed one
+        self._base_seed = self._stream.base_seed
 
     # -- the index stream ---------------------------------------------------
-    def _start_stream(self) -> None:
-        self._sampler_iter = iter(self._index_sampler)
-        self._next_batch_index = 0
-        self._num_yielded = 0
+    def _start_stream(self, fresh: bool = False) -> None:
+        self._stream.start(fresh)
+        self._epoch = self._stream.epoch  # the loader's epoch: keys per-batch seeds
+        self._num_yielded = self._stream.batches_yielded
 
     def _next_index(self):
         """(batch_index, indices) of the next task; StopIteration at the end."""
-        indices = next(self._sampler_iter)
-        batch_index = self._next_batch_index
-        self._next_batch_index += 1
-        return batch_index, indices
+        return self._stream.next()
 
     def _reset(self, loader, first_iter: bool = False) -> None:
         """Start another epoch over the same iterator (persistent workers)."""
-        self._epoch += 1
         self._IterableDataset_len_called = loader._IterableDataset_len_called
         self._start_stream()
 
@@ -86,7 +88,16 @@ class BaseIterator:
         raise NotImplementedError
 
     def __next__(self):
-        data = self._next_data()
+        t0 = perf_counter()
+        try:
+            while self._stream.reread:  # a resumed IterableDataset without state
+                self._next_data()
+            data = self._next_data()
+        except StopIteration:
+            self._stream.finish()
+            self._stats.finish(t0)
+            raise
+        self._stats.on_yield(t0)
         self._num_yielded += 1
         if (self._is_iterable and self._IterableDataset_len_called is not None
                 and self._num_yielded > self._IterableDataset_len_called):

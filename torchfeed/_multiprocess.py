@@ -49,6 +49,7 @@ from ._errors import WorkerFailure, describe_dead_worker
 from ._iterator_base import BaseIterator
 from ._pickling import describe_unpicklable
 from ._pin_memory import PinMemoryThread, pass_through_requested
+from ._state import StatefulUnpacker
 from ._transport import create_channel
 from ._worker import IterableExhausted, ResumeIteration, Task, WorkerSpec, worker_loop
 
@@ -79,13 +80,16 @@ class MultiProcessIterator(BaseIterator):
         self._result_reader = self._result_queue._reader
         self._channel = create_channel(self._num_workers, ctx, loader)
         self._unpacker = self._channel.unpacker()
+        if self._stream.ships_state:
+            self._unpacker = StatefulUnpacker(self._unpacker)
         spec = WorkerSpec(
             is_iterable=self._is_iterable, dataset=self._dataset,
             auto_collation=self._auto_collation, collate_fn=self._collate_fn,
             drop_last=self._drop_last, base_seed=self._base_seed,
             worker_init_fn=loader.worker_init_fn, num_workers=self._num_workers,
             epoch=self._epoch, seed_per_batch=getattr(loader, "seed_per_batch", False),
-            main_pid=os.getpid())
+            main_pid=os.getpid(), resume_states=self._stream.load_states,
+            ships_state=self._stream.ships_state)
         _live_iterators.add(self)
         try:
             for worker_id in range(self._num_workers):
@@ -135,7 +139,8 @@ class MultiProcessIterator(BaseIterator):
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
-        self._worker_cycle = itertools.cycle(range(self._num_workers))
+        first = self._stream.first_worker  # a resumed IterableDataset goes on round-robin
+        self._worker_cycle = itertools.cycle([*range(first, self._num_workers), *range(first)])
         if not first_iter:
             for index_queue in self._index_queues:
                 index_queue.put(ResumeIteration(self._epoch))
@@ -190,7 +195,7 @@ class MultiProcessIterator(BaseIterator):
             return False, None
         if self._result_reader in ready or self._result_reader.poll(0):
             try:
-                send_idx, worker_id, blob = self._result_queue.get(block=False)
+                send_idx, worker_id, blob, seconds = self._result_queue.get(block=False)
             except queue.Empty:
                 return False, None
             if blob is None:  # an acknowledgement, e.g. ResumeIteration
@@ -205,6 +210,7 @@ class MultiProcessIterator(BaseIterator):
                 raise
             if not isinstance(payload, (WorkerFailure, IterableExhausted)):
                 payload = self._unpacker.unpack(payload)
+                self._stats.on_result(worker_id, seconds)
             return True, (send_idx, payload)
         for sentinel in ready:
             worker_id = sentinels[sentinel]
@@ -263,25 +269,25 @@ class MultiProcessIterator(BaseIterator):
 
             if self._rcvd_idx in self._arrived:
                 data = self._arrived.pop(self._rcvd_idx)
-                worker_id = self._task_info.pop(self._rcvd_idx)[0]
+                info = self._task_info.pop(self._rcvd_idx)
                 self._rcvd_idx += 1
-                return self._process_data(data, worker_id)
+                return self._process_data(data, info)
 
             send_idx, data = self._get_data()
             self._tasks_outstanding -= 1
             if isinstance(data, IterableExhausted):
+                self._stream.worker_ended(data.worker_id, data.state)
                 self._retire_worker(data.worker_id)
                 self._try_put_index()
                 continue
             if send_idx != self._rcvd_idx:
                 if not self._in_order:
-                    worker_id = self._task_info.pop(send_idx)[0]
-                    return self._process_data(data, worker_id)
+                    return self._process_data(data, self._task_info.pop(send_idx))
                 self._arrived[send_idx] = data
                 continue
-            worker_id = self._task_info.pop(send_idx)[0]
+            info = self._task_info.pop(send_idx)
             self._rcvd_idx += 1
-            return self._process_data(data, worker_id)
+            return self._process_data(data, info)
 
     def _retire_worker(self, worker_id: int) -> None:
         """A worker's iterable stream ended: send it no more tasks this epoch."""
@@ -289,12 +295,13 @@ class MultiProcessIterator(BaseIterator):
         if not self._persistent_workers:
             self._index_queues[worker_id].put(None)
 
-    def _process_data(self, data, worker_id: int):
+    def _process_data(self, data, info):
+        worker_id, batch_index, indices = info
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
         if isinstance(data, WorkerFailure):
             data.reraise()
-        return data
+        return self._stream.yielded(data, batch_index, indices, worker_id)
 
     # -- shutdown ---------------------------------------------------------------
     def _shutdown_workers(self) -> None:
@@ -329,6 +336,7 @@ class MultiProcessIterator(BaseIterator):
 
     def __del__(self) -> None:
         try:
+            self._stats.stop()  # the epoch ended here, not after the shutdown
             self._shutdown_workers()
         except Exception:
             pass  # interpreter teardown: modules may already be gone

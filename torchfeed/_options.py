@@ -8,6 +8,7 @@ import os
 
 TRANSPORTS = ("shm", "torch")
 TRANSPORT_ENV = "TORCHFEED_TRANSPORT"
+LOG_EVERY_ENV = "TORCHFEED_LOG_EVERY"
 
 
 def resolve_transport(transport: str | None) -> str:
@@ -33,3 +34,30 @@ def validate_options(*, seed_per_batch, snapshot_every_n_steps) -> None:
             "snapshot_every_n_steps must be a positive int or None, but got "
             f"{snapshot_every_n_steps!r} (torchfeed ignores it: state_dict() is exact at "
             "every step)")
+
+
+def resolve_log_every(log_every: int | None) -> int | None:
+    """Batches between stats log lines, or None for no line.
+
+    ``None`` defers to the ``TORCHFEED_LOG_EVERY`` environment variable, where
+    empty or ``0`` means off."""
+    if log_every is None:
+        raw = os.environ.get(LOG_EVERY_ENV, "").strip()
+        if raw in ("", "0"):
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(
+                f"the {LOG_EVERY_ENV} environment variable must be a positive number of "
+                f"batches between stats log lines (or 0 for none), but got {raw!r}")
+        return value
+    if isinstance(log_every, bool) or not isinstance(log_every, int):
+        raise TypeError(f"log_every must be a positive int or None, but got {log_every!r}")
+    if log_every < 1:
+        raise ValueError(
+            f"log_every must be a positive number of batches between stats log lines, or None "
+            f"for no log line, but got {log_every!r}")
+    return log_every

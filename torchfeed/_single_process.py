@@ -14,6 +14,7 @@ import torch
 
 from . import _seeding
 from ._fetch import create_fetcher
+from ._index_stream import NO_STATE
 from ._iterator_base import BaseIterator
 from ._pin_memory import pin_memory
 
@@ -25,8 +26,14 @@ class SingleProcessIterator(BaseIterator):
         self._make_fetcher()
 
     def _make_fetcher(self) -> None:
+        resume = self._stream.load_states
+        self._stream.load_states = None  # once: the dataset object keeps it from then on
+        if resume is not None and resume[0][0] is not None:
+            self._dataset.load_state_dict(resume[0][0])
         self._fetcher = create_fetcher(self._is_iterable, self._dataset, self._auto_collation,
                                        self._collate_fn, self._drop_last)
+        if resume is not None and resume[0][1]:
+            self._fetcher.ended = True  # its stream ended with the last batch yielded
 
     def _reset(self, loader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
@@ -44,10 +51,19 @@ class SingleProcessIterator(BaseIterator):
 
     def _next_data(self):
         batch_index, indices = self._next_index()
-        if self._seed_per_batch:
-            data = self._fetch_seeded(batch_index, indices)
-        else:
-            data = self._fetcher.fetch(indices)  # StopIteration ends an iterable
+        try:
+            if self._seed_per_batch:
+                data = self._fetch_seeded(batch_index, indices)
+            else:
+                data = self._fetcher.fetch(indices)  # StopIteration ends an iterable
+        except StopIteration:
+            if self._stream.ships_state:  # the state its end left the dataset in
+                self._stream.worker_ended(0, self._dataset.state_dict())
+            raise
+        state, ended = NO_STATE, False
+        if self._stream.ships_state:  # the dataset's state right after this batch
+            state, ended = self._dataset.state_dict(), self._fetcher.ended
         if self._pin_memory:
             data = pin_memory(data, self._pin_memory_device)
+        self._stream.record_yield(batch_index, indices, 0, state, ended)
         return data

@@ -3,8 +3,11 @@
 A worker seeds itself as torch does, publishes ``get_worker_info()``, runs
 ``worker_init_fn``, then answers tasks from its own index queue until told to
 stop.  Each answer is one message on the shared result queue:
-``(send_idx, payload)``, where payload is the packed batch, a ``WorkerFailure``
-or an ``IterableExhausted`` marker.
+``(send_idx, worker_id, pickled payload, seconds)``, where payload is the packed
+batch (for an IterableDataset with ``state_dict``, wrapped with the state its copy
+reported right after making it), a ``WorkerFailure`` or an ``IterableExhausted``
+marker, and seconds is the time fetch + collate + pack + pickle took (for
+``DataLoader.stats()``).
 
 Two rules keep the main process from ever hanging on a worker:
 
@@ -17,9 +20,11 @@ Two rules keep the main process from ever hanging on a worker:
 from __future__ import annotations
 
 import faulthandler
+import io
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -32,6 +37,7 @@ import torch.utils.data._utils.worker as _torch_worker
 from . import _seeding
 from ._errors import WorkerFailure
 from ._fetch import create_fetcher
+from ._index_stream import StatefulResult
 from ._pickling import describe_unpicklable
 
 POLL_INTERVAL = 0.25  # seconds between checks that the main process is alive
@@ -53,6 +59,7 @@ class ResumeIteration:
 @dataclass
 class IterableExhausted:
     worker_id: int
+    state: Any = None  # a stateful IterableDataset's state once its stream ended
 
 
 @dataclass
@@ -69,6 +76,10 @@ class WorkerSpec:
     epoch: int
     seed_per_batch: bool
     main_pid: int
+    # A stateful IterableDataset: each worker loads its [state, ended] entry
+    # before iterating (a resume), and sends its state with every batch.
+    resume_states: list | None = None
+    ships_state: bool = False
 
 
 def _main_process_alive(main_pid: int, parent_pid: int) -> bool:
@@ -89,6 +100,18 @@ def _watch_main_process(main_pid: int, parent_pid: int) -> None:
     # The main process is gone: nobody will read what we produce, and user
     # code may be busy for a long time.  Leave now.
     os._exit(0)
+
+
+def _enable_crash_traces() -> None:
+    """Make a segfault print the worker's Python stack.  Under pytest's capsys or
+    in some notebooks ``sys.stderr`` has no file descriptor; fall back to fd 2
+    rather than let the worker die before its first task."""
+    for target in (sys.stderr, sys.__stderr__, 2):
+        try:
+            faulthandler.enable(file=target)
+            return
+        except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+            continue
 
 
 def _serialize(send_idx: int, payload, worker_id: int, task: Task | None):
@@ -116,7 +139,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     # Ctrl-C reaches the whole process group; the main process decides when
     # workers stop, so a worker must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    faulthandler.enable()  # a segfault prints the worker's Python stack to stderr
+    _enable_crash_traces()
     parent_pid = os.getppid()
     threading.Thread(target=_watch_main_process, args=(spec.main_pid, parent_pid),
                      name="torchfeed-watchdog", daemon=True).start()
@@ -136,6 +159,12 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             spec.worker_init_fn(worker_id)
     except Exception as exc:
         init_failure = WorkerFailure(exc, worker_id, "worker_init_fn")
+    resume = spec.resume_states[worker_id] if spec.resume_states is not None else None
+    if init_failure is None and resume is not None and resume[0] is not None:
+        try:
+            dataset.load_state_dict(resume[0])
+        except Exception as exc:
+            init_failure = WorkerFailure(exc, worker_id, "dataset.load_state_dict")
 
     packer = channel.packer(worker_id)
     # torch's default_collate becomes one that stacks straight into the transport's slot.
@@ -143,6 +172,8 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     epoch = spec.epoch
     fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
                              collate_fn, spec.drop_last)
+    if resume is not None and resume[1]:
+        fetcher.ended = True  # its stream ended with the last batch the user got
     exhausted = False
     try:
         while True:
@@ -159,17 +190,19 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 exhausted = False
                 fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
                                          collate_fn, spec.drop_last)
-                result_queue.put((task, worker_id, None))
+                result_queue.put((task, worker_id, None, 0.0))
                 continue
             if exhausted:
                 continue  # the main process stops sending once it hears we ended
+            start = time.perf_counter()
             if init_failure is not None:
                 payload, init_failure = init_failure, None
             else:
                 payload = _run_task(task, fetcher, spec, worker_id, epoch, packer)
                 if isinstance(payload, IterableExhausted):
                     exhausted = True
-            result_queue.put(_serialize(task.send_idx, payload, worker_id, task))
+            message = _serialize(task.send_idx, payload, worker_id, task)
+            result_queue.put((*message, time.perf_counter() - start))  # + busy time, for stats
             del payload, task
     finally:
         # Whatever is still buffered is for an iterator that is going away;
@@ -183,14 +216,17 @@ def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int,
         _seeding.seed_batch(spec.base_seed, epoch, task.batch_index)
     try:
         batch = fetcher.fetch(task.indices)
+        state = fetcher.dataset.state_dict() if spec.ships_state else None
     except StopIteration:
         if spec.is_iterable:
-            return IterableExhausted(worker_id)
+            return IterableExhausted(
+                worker_id, fetcher.dataset.state_dict() if spec.ships_state else None)
         return WorkerFailure(RuntimeError("StopIteration raised while fetching a batch"),
                              worker_id, "fetching", task.indices, task.batch_index)
     except Exception as exc:
         return WorkerFailure(exc, worker_id, "fetching", task.indices, task.batch_index)
     try:
-        return packer.pack(batch)
+        payload = packer.pack(batch)
     except Exception as exc:
         return WorkerFailure(exc, worker_id, "packing", task.indices, task.batch_index)
+    return StatefulResult(payload, state, fetcher.ended) if spec.ships_state else payload

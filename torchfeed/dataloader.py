@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import torch.utils.data
 
+from . import _state
 from ._multiprocess import MultiProcessIterator
-from ._options import resolve_transport, validate_options
+from ._options import resolve_log_every, resolve_transport, validate_options
 from ._single_process import SingleProcessIterator
+from ._stats import LoaderStats, empty_stats
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -38,6 +40,11 @@ class DataLoader(torch.utils.data.DataLoader):
         snapshot_every_n_steps (int): accepted for drop-in compatibility with
             torchdata's ``StatefulDataLoader`` and ignored: ``state_dict()`` is
             exact and cheap at every step.
+        log_every (int): log one line of :meth:`stats` (data-stall %, slowest
+            worker) every ``log_every`` batches through
+            ``logging.getLogger("torchfeed")`` at INFO.  Default ``None``: no
+            line, unless the ``TORCHFEED_LOG_EVERY`` environment variable sets
+            a number of batches.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
@@ -45,7 +52,7 @@ class DataLoader(torch.utils.data.DataLoader):
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, transport=None, seed_per_batch=False,
-                 snapshot_every_n_steps=None):
+                 snapshot_every_n_steps=None, log_every=None):
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -59,6 +66,40 @@ class DataLoader(torch.utils.data.DataLoader):
         self.transport = resolve_transport(transport)
         self.seed_per_batch = seed_per_batch
         self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.log_every = resolve_log_every(log_every)
+
+    def __iter__(self):
+        iterator = super().__iter__()
+        iterator._stats.begin(iterator._epoch)  # the clock starts when the user has it
+        self._stats_source = iterator._stats    # not the iterator: stats keep no worker alive
+        return iterator
+
+    def stats(self) -> LoaderStats:
+        """Statistics of the current (most recent) iterator, as a plain dict.
+
+        ``str()`` of the result is a readable summary.  See ``torchfeed/_stats.py``
+        and the README, "Is my training data-bound?".
+        """
+        source = getattr(self, "_stats_source", None)
+        return empty_stats(self) if source is None else source.snapshot()
+
+    def state_dict(self) -> dict:
+        """Where this loader is: a small dict of plain values (see ``_state.py``).
+
+        Exact at every step and cheap (no work proportional to the dataset):
+        batches prefetched but not yet yielded are not counted as consumed.
+        Survives ``json`` and ``torch.save``/``torch.load(weights_only=True)``.
+        """
+        return _state.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Continue from ``state_dict`` at the next ``iter()``.
+
+        Raises ``ValueError`` naming the field if the state cannot apply to this
+        loader.  Map-style datasets resume with any ``num_workers`` and load no
+        data to get there.
+        """
+        _state.load_state_dict(self, state_dict)
 
     def _get_iterator(self):
         if self.num_workers == 0:

@@ -1,0 +1,129 @@
+"""What the always-on stats hooks cost the main process, per batch.
+
+The main process pays for two hooks per batch (see ``torchfeed/_stats.py``):
+
+* ``BaseIterator.__next__`` reads the clock before and after ``_next_data`` and
+  calls ``IteratorStats.on_yield``;
+* ``_receive`` calls ``IteratorStats.on_result`` for each arriving batch
+  (multi-process loaders only).
+
+This script times ``__next__`` as shipped against a copy of it with the hooks
+taken out, on the same iterator of a ``num_workers=0`` loader whose batch
+fetch is replaced by a constant (so the difference is not lost in fetch
+noise), then times ``on_result`` directly against an empty call.  Runs
+alternate between the two variants; the figure is the median over runs of
+the per-call difference.  It also reports the same comparison with the
+loader's real fetch of an in-memory list, for scale.
+
+Time is this thread's CPU time by default, so a busy shared machine that
+deschedules the process does not inflate the figure; ``--clock wall`` uses
+``perf_counter`` instead.
+
+    python benchmarks/stats_overhead.py --runs 31 --calls 200000
+"""
+import argparse
+import os
+import statistics
+import sys
+import warnings
+import time
+
+# Runnable from a checkout without installing torchfeed.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+import torchfeed  # noqa: E402
+from torchfeed import DataLoader  # noqa: E402
+
+
+def unhooked_next(self):
+    """``BaseIterator.__next__`` without the stats hooks, otherwise identical."""
+    data = self._next_data()
+    self._num_yielded += 1
+    if (self._is_iterable and self._IterableDataset_len_called is not None
+            and self._num_yielded > self._IterableDataset_len_called):
+        warnings.warn("unreachable here", stacklevel=2)
+    return data
+
+
+clock = time.thread_time
+
+
+def _loop(step, it, calls: int) -> float:
+    start = clock()
+    for _ in range(calls):
+        step(it)
+    return (clock() - start) / calls
+
+
+def _compare(make_iterator, calls: int, runs: int):
+    hooked_next = type(make_iterator()).__next__
+    hooked, plain, diffs = [], [], []
+    for run in range(runs):
+        it = make_iterator()
+        pair = [(hooked_next, hooked), (unhooked_next, plain)]
+        if run % 2:
+            pair.reverse()
+        for step, out in pair:
+            out.append(_loop(step, it, calls))
+        diffs.append(hooked[-1] - plain[-1])
+    return statistics.median(hooked), statistics.median(plain), statistics.median(diffs)
+
+
+def _on_result_cost(calls: int, runs: int) -> float:
+    loader = DataLoader(list(range(8)), batch_size=None, num_workers=0)
+    stats = iter(loader)._stats
+    stats.worker_batches, stats.worker_busy = [0], [0.0]  # as for one worker
+    on_result = stats.on_result
+
+    def empty(worker_id, seconds):
+        pass
+
+    diffs = []
+    for _ in range(runs):
+        times = []
+        for fn in (on_result, empty):
+            start = clock()
+            for _ in range(calls):
+                fn(0, 0.001)
+            times.append((clock() - start) / calls)
+        diffs.append(times[0] - times[1])
+    return statistics.median(diffs)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=31, help="runs per variant (default 31)")
+    parser.add_argument("--calls", type=int, default=200_000,
+                        help="__next__ calls per run (default 200000)")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="thread CPU time (default) or perf_counter wall time")
+    args = parser.parse_args(argv)
+    global clock
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    big = 10 ** 9
+
+    def constant_iterator():
+        it = iter(DataLoader(range(big), batch_size=None, num_workers=0))
+        it._next_data = lambda: 0  # the fetch, taken out of the measurement
+        return it
+
+    def real_iterator():
+        return iter(DataLoader(range(big), batch_size=None, num_workers=0,
+                               collate_fn=lambda x: x))
+
+    print(f"torchfeed from {os.path.dirname(torchfeed.__file__)}, python {sys.version.split()[0]}, "
+          f"{args.runs} runs x {args.calls} calls, {args.clock} time, medians")
+    h, p, d = _compare(constant_iterator, args.calls, args.runs)
+    print(f"__next__, fetch taken out:   hooked {1e9 * h:7.0f} ns  unhooked {1e9 * p:7.0f} ns  "
+          f"hook cost {1e9 * d:6.0f} ns/batch")
+    r = _on_result_cost(args.calls, args.runs)
+    print(f"on_result (multi-process):   {1e9 * r:6.0f} ns/batch over an empty call")
+    print(f"main-process hook cost per batch: {1e9 * (d + r):.0f} ns "
+          f"({1e6 * (d + r):.2f} us; budget 2 us)")
+    h, p, d = _compare(real_iterator, args.calls // 4, args.runs)
+    print(f"for scale, real fetch of an int (num_workers=0): hooked {1e9 * h:.0f} ns, "
+          f"unhooked {1e9 * p:.0f} ns per batch")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""The num_workers tuner end to end: from Python, from the command line, and its errors.
+
+Real loaders and real worker processes on a tiny dataset; nothing here
+asserts a speed, only that the tuner measures, recommends and explains.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
+
+import torchfeed
+from torchfeed._tuner import TuneRow, loader_arguments, recommend, tune
+from torchfeed.tune.__main__ import main as tune_main
+
+try:  # tests/ may or may not be a package
+    from tests import tune_helper
+except ImportError:
+    import tune_helper
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+HELPER = tune_helper.__name__
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+QUICK = dict(seconds=0.2, max_workers=1, prefetch_factors=(2,))
+# Tests that start workers capture with capfd, not capsys: capsys swaps
+# sys.stderr for an object with no file descriptor, which a worker that calls
+# faulthandler.enable() cannot use.
+
+
+def _run_cli(*args, cwd):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(TESTS)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return subprocess.run([sys.executable, "-m", "torchfeed.tune", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _tuple_collate(samples):
+    return tuple(samples)
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(16))
+
+
+@pytest.mark.timeout(60)
+def test_tune_a_dataset_from_python(capfd):
+    result = tune(tune_helper.TinyDataset(), batch_size=4, **QUICK)
+    assert [(r.num_workers, r.prefetch_factor) for r in result.rows] == [(0, None), (1, 2)]
+    assert all(r.error is None and r.batches > 0 and r.batches_per_s > 0 for r in result.rows)
+    assert (result.num_workers, result.prefetch_factor) in [(0, None), (1, 2)]
+    assert result.reason
+    assert result.loader_kwargs["num_workers"] == result.num_workers
+    out, err = capfd.readouterr()
+    assert "batches/s" in out and "<- recommended" in out
+    assert f"recommended: num_workers={result.num_workers}" in out
+    assert "why: " in out
+    # stderr is not a terminal here: one plain line per setting, no carriage returns.
+    assert "torchfeed.tune [1/3] warm-up" in err
+    assert "torchfeed.tune [2/3] num_workers=0" in err
+    assert "torchfeed.tune [3/3] num_workers=1 prefetch_factor=2" in err
+    assert "\r" not in err
+
+
+@pytest.mark.timeout(60)
+def test_tune_a_loader_keeps_its_arguments(capfd):
+    loader = torchfeed.DataLoader(tune_helper.TinyDataset(), batch_size=8, shuffle=True,
+                                  collate_fn=_tuple_collate, drop_last=True, timeout=30)
+    cls, kwargs = loader_arguments(loader)
+    assert cls is type(loader)
+    assert kwargs["dataset"] is loader.dataset
+    assert kwargs["sampler"] is loader.sampler  # the shuffle survives as its RandomSampler
+    assert kwargs["collate_fn"] is _tuple_collate
+    assert (kwargs["batch_size"], kwargs["drop_last"], kwargs["timeout"]) == (8, True, 30)
+    assert "num_workers" not in kwargs and "prefetch_factor" not in kwargs
+    assert loader_arguments(loader, batch_size=2)[1]["batch_size"] == 2
+    # torchfeed's own options come along too.
+    options = loader_arguments(torchfeed.DataLoader(tune_helper.TinyDataset(), transport="torch",
+                                                    seed_per_batch=True))[1]
+    assert options["transport"] == "torch" and options["seed_per_batch"] is True
+
+    result = tune(loader, progress=False, verbose=False, **QUICK)
+    assert result.batch_size == 8
+    assert all(r.error is None and r.batches > 0 for r in result.rows)
+    assert capfd.readouterr() == ("", "")  # progress=False, verbose=False: silent
+
+
+def test_loader_arguments_other_batching_modes():
+    dataset = tune_helper.TinyDataset()
+    custom = torchfeed.DataLoader(dataset, batch_sampler=BatchSampler(
+        SequentialSampler(dataset), batch_size=5, drop_last=False))
+    kwargs = loader_arguments(custom)[1]
+    assert kwargs["batch_sampler"] is custom.batch_sampler and "batch_size" not in kwargs
+    with pytest.raises(ValueError, match="custom batch_sampler"):
+        loader_arguments(custom, batch_size=3)
+    # torch's own default collate is left out, so the rebuilt loader picks it again.
+    assert "collate_fn" not in loader_arguments(torchfeed.DataLoader(dataset))[1]
+    unbatched = loader_arguments(torchfeed.DataLoader(dataset, batch_size=None))[1]
+    assert unbatched["batch_size"] is None and "collate_fn" not in unbatched
+    streaming = loader_arguments(torchfeed.DataLoader(_Stream(), batch_size=4))[1]
+    assert "sampler" not in streaming and streaming["batch_size"] == 4
+    bare = loader_arguments(dataset)
+    assert bare[0] is torchfeed.DataLoader and bare[1] == {"dataset": dataset, "batch_size": 1}
+
+
+@pytest.mark.timeout(60)
+def test_torchfeed_tune_stays_callable_after_the_cli_is_imported():
+    # Importing the torchfeed.tune package rebinds the name torchfeed.tune from
+    # the function to the package; the package must then work as the function.
+    import torchfeed.tune as tune_package
+
+    assert torchfeed.tune is tune_package and callable(torchfeed.tune)
+    result = torchfeed.tune(tune_helper.TinyDataset(), batch_size=4, seconds=0.1,
+                            max_workers=0, progress=False, verbose=False)
+    assert result.num_workers == 0 and "only setting tried" in result.reason
+
+
+def _row(workers, factor, rate):
+    return TuneRow(workers, factor, batches_per_s=rate, first_batch_s=0.1,
+                   cpu_us_per_batch=100.0, peak_mem_bytes=1, batches=50)
+
+
+def test_recommend_takes_the_fewest_workers_near_the_best():
+    rows = [_row(0, None, 100.0), _row(1, 2, 180.0), _row(1, 4, 182.0),
+            _row(2, 2, 300.0), _row(2, 4, 290.0), _row(3, 2, 305.0), _row(4, 2, 200.0)]
+    pick, reason = recommend(rows, cores=4)
+    assert (pick.num_workers, pick.prefetch_factor) == (2, 2)
+    assert "stops growing after 2 workers" in reason
+    assert "3.0x the throughput of num_workers=0" in reason
+
+    pick, reason = recommend([_row(0, None, 100.0), _row(1, 2, 60.0)], cores=1)
+    assert pick.num_workers == 0 and "num_workers=0" in reason
+
+    pick, reason = recommend([_row(0, None, 100.0), _row(1, 2, 190.0), _row(2, 2, 280.0)], cores=2)
+    assert pick.num_workers == 2 and "still grows" in reason
+
+    failed = TuneRow(1, 2, error="RuntimeError: boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        recommend([failed], cores=1)
+
+
+@pytest.mark.timeout(90)
+def test_cli_end_to_end(tmp_path):
+    out_json = tmp_path / "tune.json"
+    proc = _run_cli("tune_helper:make_loader", "--seconds", "0.2", "--max-workers", "1",
+                    "--prefetch-factors", "2", "--json", str(out_json), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "recommended: num_workers=" in proc.stdout and "why: " in proc.stdout
+    assert "batch_size=4" in proc.stdout  # taken from the factory's DataLoader
+    data = json.loads(out_json.read_text())
+    assert {"rows", "num_workers", "prefetch_factor", "reason", "loader_kwargs"} <= set(data)
+    assert [r["num_workers"] for r in data["rows"]] == [0, 1]
+
+
+@pytest.mark.timeout(60)
+def test_cli_missing_module_is_one_clear_line(tmp_path):
+    proc = _run_cli("no_such_module_xyz:factory", "--seconds", "0.1", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "cannot import module 'no_such_module_xyz'" in proc.stderr
+    assert "PYTHONPATH" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.parametrize("target, message", [
+    (f"{HELPER}:nosuch", f"module '{HELPER}' ("),
+    (f"{HELPER}:nosuch", "has no attribute 'nosuch'. Callables it defines: "),
+    (f"{HELPER}:NOT_CALLABLE", "is not callable (it is a value of type int)"),
+    (f"{HELPER}:needs_args", "is called with no arguments"),
+    (f"{HELPER}:not_a_dataset", "returned a builtins.list; it must return a torch Dataset"),
+    ("no_colon_here", "expected MODULE:FACTORY"),
+])
+def test_cli_bad_targets(capsys, target, message):
+    assert tune_main([target, "--seconds", "0.1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_missing_factory_lists_the_factories(capsys):
+    assert tune_main([f"{HELPER}:make_datasett"]) == 2
+    err = capsys.readouterr().err
+    assert "make_dataset" in err and "make_loader" in err
+
+
+@pytest.mark.timeout(60)
+def test_plot(tmp_path, capfd):
+    png = tmp_path / "tune.png"
+    if not HAS_MATPLOTLIB:
+        assert tune_main([f"{HELPER}:make_dataset", "--plot", str(png)]) == 2
+        assert "pip install 'torchfeed[plot]'" in capfd.readouterr().err
+        with pytest.raises(ImportError, match=r"pip install 'torchfeed\[plot\]'"):
+            tune(tune_helper.TinyDataset(), plot=str(png), **QUICK)
+        assert not png.exists()
+    else:
+        tune(tune_helper.TinyDataset(), batch_size=4, plot=str(png), progress=False, **QUICK)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,348 @@
+"""The index stream: one epoch of the sampler, numbered, and how much of it the user consumed.
+
+Every batch of an epoch has a stable position, its ``batch_index``: the n-th
+item the (batch) sampler produced this epoch.  Positions do not depend on
+``num_workers``, on prefetching or on a resume, so they key the per-batch seeds
+and identify what was yielded.  The stream counts what reached the user (not
+what was sent to workers: prefetched batches are not consumed), which is the
+whole of a checkpoint for a map-style dataset (see ``_state.py``):
+
+* ``frontier``: every position below it was yielded;
+* ``out_of_order``: positions at or above it yielded early (``in_order=False``),
+  at most the prefetch window;
+* per worker, the state its IterableDataset copy reported with the latest batch
+  of it that was yielded, and which worker is next in the round-robin.
+
+At the start of each epoch the stream records what is needed to rebuild it:
+the states of the RNGs the sampler and the base seed draw from (the loader's
+``generator``, the global torch RNG, and generators the sampler owns), and the
+state of a sampler that has ``state_dict`` but no ``state_dict_at``.  A resume
+sets those RNGs back, remakes the sampler's iterator and skips the consumed
+positions without loading any data.  The global RNG is only ever touched inside
+``torch.random.fork_rng``, so the training loop's own randomness is left alone.
+"""
+from __future__ import annotations
+
+import base64
+
+import torch
+from torch.utils.data import BatchSampler, IterableDataset
+
+NO_STATE = object()  # a batch that came without a dataset state
+_NOTHING = object()
+
+
+class StatefulResult:
+    """A batch and the state its worker's IterableDataset copy reported right after making it.
+
+    ``ended``: making it hit the end of the worker's stream (a short last
+    batch), so the worker has nothing more this epoch.  The worker wraps the
+    transport's payload in one; the main process's unpacker rebuilds the batch
+    inside it; the state is recorded when the batch is yielded to the user, not
+    when it arrives.
+    """
+
+    __slots__ = ("value", "state", "ended")
+
+    def __init__(self, value, state, ended: bool = False) -> None:
+        self.value = value
+        self.state = state
+        self.ended = ended
+
+    def pin_memory(self):  # the pin-memory thread pins what is inside
+        from ._pin_memory import pin_memory
+        return StatefulResult(pin_memory(self.value), self.state, self.ended)
+
+
+def encode_rng(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def decode_rng(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+
+
+def draw_base_seed(generator) -> int:
+    """torch's per-iterator base seed, drawn from the loader's generator or the global RNG."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def stateful_sampler(index_sampler):
+    """(sampler, protocol) for the sampler whose state a checkpoint keeps, or (None, None).
+
+    ``"position"``: it has ``state_dict_at(consumed)`` (state after ``consumed`` of
+    its items were used) and ``load_state_dict``; ``"epoch_start"``: it has only
+    ``state_dict``/``load_state_dict``, captured when the epoch starts.  The
+    sampler inside torch's own ``BatchSampler`` counts too; other batch
+    samplers may buffer, so only their own methods are used.
+    """
+    candidates = [index_sampler]
+    if type(index_sampler) is BatchSampler:
+        candidates.append(index_sampler.sampler)
+    for candidate in candidates:
+        if not callable(getattr(candidate, "load_state_dict", None)):
+            continue
+        if callable(getattr(candidate, "state_dict_at", None)):
+            return candidate, "position"
+        if callable(getattr(candidate, "state_dict", None)):
+            return candidate, "epoch_start"
+    return None, None
+
+
+def sampler_generators(index_sampler, loader_generator) -> list:
+    """torch.Generators the sampler (or torch's BatchSampler's sampler) owns, in a fixed order."""
+    found = []
+    for obj in (index_sampler, getattr(index_sampler, "sampler", None)):
+        g = getattr(obj, "generator", None)
+        if isinstance(g, torch.Generator) and g is not loader_generator \
+                and all(g is not other for other in found):
+            found.append(g)
+    return found
+
+
+class IndexStream:
+    """One iterator's index stream, epoch after epoch (persistent workers reuse it)."""
+
+    def __init__(self, loader) -> None:
+        from ._state import ResumeBook  # the book imports this module
+
+        self.generator = loader.generator  # not the loader: no reference cycle through it
+        self.index_sampler = loader._index_sampler
+        self.is_iterable = isinstance(loader.dataset, IterableDataset)
+        self.auto_collation = loader._auto_collation
+        self.num_workers = loader.num_workers
+        self.persistent = bool(loader.persistent_workers and loader.num_workers > 0)
+        self.ships_state = self.is_iterable and all(
+            callable(getattr(loader.dataset, name, None))
+            for name in ("state_dict", "load_state_dict"))
+        self.sampler, self.sampler_protocol = (None, None) if self.is_iterable \
+            else stateful_sampler(self.index_sampler)
+        self.generators = sampler_generators(self.index_sampler, loader.generator)
+        self.book = ResumeBook.of(loader)
+        self.base_seed = None
+        self.worker_states = [None] * max(1, self.num_workers)
+
+    # -- starting an epoch --------------------------------------------------
+    def start(self, fresh: bool) -> None:
+        """Start the next epoch, or the one a loaded state continues.
+
+        ``fresh``: a new iterator (it draws a base seed, as torch's does);
+        otherwise persistent workers starting another epoch.
+        """
+        previous = self.book.live
+        plan = self.book.begin(self)
+        self.epoch = plan.epoch
+        self.finished = False
+        self.batches_yielded = self.samples_yielded = 0
+        self.frontier = self.prefix_samples = 0
+        self.out_of_order = {}       # position -> samples, yielded before the frontier got there
+        self._skip = set()           # positions a resume must not hand out again
+        self._next_pos = 0
+        self._peeked = _NOTHING
+        self.consumed_offset = 0     # items of a "position" sampler used before its iter()
+        self.first_worker = 0
+        self.reread = 0              # batches to read and drop (stateless IterableDataset)
+        self.exhausted = set()       # workers whose last yielded batch ended their stream
+        self.end_states = {}         # worker -> its dataset's state when its stream ended
+        # What each worker loads before iterating: [dataset state or None, ended].
+        self.load_states = None
+        if plan.worker_states is not None:
+            self.load_states = [[ws, w in plan.exhausted]
+                                for w, ws in enumerate(plan.worker_states)]
+            self.exhausted = set(plan.exhausted)
+            self.worker_states = list(plan.worker_states)
+        elif fresh and self.num_workers > 0:
+            self.worker_states = [None] * self.num_workers  # fresh copies of the dataset
+        elif previous is not None and previous is not self and self.num_workers == 0:
+            self.worker_states = list(previous.worker_states)  # the same dataset object
+        if plan.state is not None:
+            self._resume(plan.state, fresh)
+            return
+        self._capture()
+        self._sampler_iter = iter(self.index_sampler)
+        if fresh:
+            if plan.base_seed is not None:  # persistent workers: one base seed for all epochs
+                self.base_seed, self.draws_base_seed = plan.base_seed, False
+            else:
+                self.base_seed, self.draws_base_seed = draw_base_seed(self.generator), True
+        else:
+            self.draws_base_seed = False
+        self._peek()
+
+    def _peek(self) -> None:
+        """Take the first batch of indices now, at iter().
+
+        The sampler's first draw (RandomSampler seeds itself from the global
+        RNG then) thus happens with the epoch's other draws, right after the
+        base seed, as torch's multi-process iterator does it; for
+        ``num_workers=0`` torch would wait for the first ``next()``.  A state
+        saved between ``iter()`` and ``next()`` is then exact too.
+        """
+        self._peeked = next(self._sampler_iter, _NOTHING)
+        if self._peeked is _NOTHING:
+            self._sampler_iter = iter(())
+
+    def _capture(self) -> None:
+        """Record what rebuilding this epoch's stream needs (before the sampler draws)."""
+        generator = self.generator
+        self.rng = {
+            "generator": None if generator is None else encode_rng(generator.get_state()),
+            "global": encode_rng(torch.get_rng_state()),
+            "samplers": [encode_rng(g.get_state()) for g in self.generators],
+        }
+        self.sampler_start_state = (self.sampler.state_dict()
+                                    if self.sampler_protocol == "epoch_start" else None)
+
+    def _resume(self, state: dict, fresh: bool) -> None:
+        self.rng = state["epoch_start_rng"]
+        self.base_seed = state["base_seed"]
+        self.draws_base_seed = state["draws_base_seed"]
+        sampler_state = state["sampler_state"]
+        self.sampler_start_state = None
+        self.batches_yielded = state["batches_yielded"]
+        self.samples_yielded = state["samples_yielded"]
+        self.out_of_order = {p: n for p, n in state["out_of_order_yielded"]}
+        self.frontier = self.batches_yielded - len(self.out_of_order)
+        self.prefix_samples = self.samples_yielded - sum(self.out_of_order.values())
+        self._skip = set(self.out_of_order)
+        start = 0
+        with replaying(self.generator, self.generators, self.rng):
+            if sampler_state is not None and sampler_state["protocol"] == "position":
+                self.sampler.load_state_dict(sampler_state["state"])
+                start = self.frontier
+                self.consumed_offset = self._consumed_units()
+            elif sampler_state is not None:
+                self.sampler_start_state = sampler_state["state"]
+                self.sampler.load_state_dict(sampler_state["state"])
+            self._sampler_iter = iter(self.index_sampler)
+            if self.draws_base_seed and fresh:
+                draw_base_seed(self.generator)  # keeps the generator in step
+            if self.is_iterable:
+                if self.ships_state:
+                    self.first_worker = state["next_worker"]
+                    self._next_pos = self.batches_yielded
+                else:  # no state to restore: read the consumed batches again, and drop them
+                    self.reread = self.batches_yielded
+                return
+            self._next_pos = start
+            for _ in range(self.frontier - start):
+                next(self._sampler_iter, None)
+            self._next_pos = self.frontier
+            self._peek()  # inside the replay, as the sampler may draw from the global RNG
+
+    def replay_to_end(self, state: dict) -> None:
+        """Run a finished epoch's index stream to its end, loading nothing.
+
+        Leaves the loader's and the sampler's generators, and a stateful
+        sampler, exactly as the uninterrupted run left them, so the next
+        epoch draws the same shuffle.
+        """
+        sampler_state = state["sampler_state"]
+        with replaying(self.generator, self.generators, state["epoch_start_rng"]):
+            if sampler_state is not None and sampler_state["protocol"] == "epoch_start":
+                self.sampler.load_state_dict(sampler_state["state"])
+            it = iter(self.index_sampler)
+            if state["draws_base_seed"]:
+                draw_base_seed(self.generator)
+            if not self.is_iterable and not (
+                    sampler_state is not None and sampler_state["protocol"] == "position"):
+                for _ in it:
+                    pass
+
+    # -- handing out positions ------------------------------------------------
+    def next(self):
+        """(batch_index, indices) of the next batch to fetch; StopIteration at the end."""
+        while True:
+            if self._peeked is not _NOTHING:
+                indices, self._peeked = self._peeked, _NOTHING
+            else:
+                indices = next(self._sampler_iter)
+            pos = self._next_pos
+            self._next_pos += 1
+            if self._skip and pos in self._skip:
+                self._skip.discard(pos)  # yielded before the checkpoint, out of order
+                continue
+            return pos, indices
+
+    # -- what reached the user --------------------------------------------------
+    def yielded(self, data, pos: int, indices, worker_id: int):
+        """Record that the batch at ``pos`` goes to the user now; return the batch itself."""
+        if type(data) is StatefulResult:
+            self.record_yield(pos, indices, worker_id, data.state, data.ended)
+            return data.value
+        self.record_yield(pos, indices, worker_id)
+        return data
+
+    def record_yield(self, pos: int, indices, worker_id: int = 0, worker_state=NO_STATE,
+                     ended: bool = False) -> None:
+        if self.reread:  # a batch the checkpoint had already counted
+            self.reread -= 1
+            return
+        n = len(indices) if self.auto_collation else 1
+        self.batches_yielded += 1
+        self.samples_yielded += n
+        if self.is_iterable:
+            if worker_state is not NO_STATE:
+                self.worker_states[worker_id] = worker_state
+                if ended:
+                    self.exhausted.add(worker_id)
+            self.first_worker = (worker_id + 1) % len(self.worker_states)
+            return
+        if pos == self.frontier:
+            self.frontier += 1
+            self.prefix_samples += n
+            while self.out_of_order and self.frontier in self.out_of_order:
+                self.prefix_samples += self.out_of_order.pop(self.frontier)
+                self.frontier += 1
+        else:
+            self.out_of_order[pos] = n
+
+    def worker_ended(self, worker_id: int, state) -> None:
+        """A worker's stream ended; ``state`` is its dataset's state after the end."""
+        if self.ships_state:
+            self.end_states[worker_id] = state
+
+    def finish(self) -> None:
+        """StopIteration: every worker's stream ended, and the user has seen all of it."""
+        self.finished = True
+        for worker_id, state in self.end_states.items():
+            self.worker_states[worker_id] = state
+        self.end_states.clear()
+
+    def _consumed_units(self) -> int:
+        """Items of the stateful sampler consumed up to the frontier."""
+        return self.frontier if self.sampler is self.index_sampler else self.prefix_samples
+
+    def sampler_state(self):
+        if self.sampler_protocol == "position":
+            consumed = self._consumed_units() - self.consumed_offset
+            return {"protocol": "position", "state": self.sampler.state_dict_at(consumed)}
+        if self.sampler_protocol == "epoch_start" and self.sampler_start_state is not None:
+            return {"protocol": "epoch_start", "state": self.sampler_start_state}
+        return None
+
+
+class replaying:
+    """Set the RNGs back to an epoch's start; the global one only for the duration.
+
+    The loader's generator and the sampler's own generators stay where the
+    replay leaves them: that is where the uninterrupted run had them.
+    """
+
+    def __init__(self, generator, generators, rng: dict) -> None:
+        self._generator, self._generators, self._rng = generator, generators, rng
+        self._fork = None
+
+    def __enter__(self):
+        rng = self._rng
+        if rng["generator"] is not None and self._generator is not None:
+            self._generator.set_state(decode_rng(rng["generator"]))
+        for g, text in zip(self._generators, rng["samplers"]):
+            g.set_state(decode_rng(text))
+        self._fork = torch.random.fork_rng(devices=[])
+        self._fork.__enter__()
+        torch.set_rng_state(decode_rng(rng["global"]))
+        return self
+
+    def __exit__(self, *exc):
+        return self._fork.__exit__(*exc)

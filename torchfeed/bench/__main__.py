@@ -1,0 +1,103 @@
+"""The command line of ``python -m torchfeed.bench``: options in, table (and JSON) out."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from .compare import TORCH, TORCHFEED, BenchConfig, run_comparison
+from .report import command_line, format_report, machine_info, to_json
+from .workloads import WORKLOADS
+
+
+def _workload_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload(s) {', '.join(unknown) or '(none given)'}; "
+            f"choose from {', '.join(WORKLOADS)}")
+    return names
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    workloads = "\n".join(f"  {w.name:<10} {w.description} ({w.batches} batches a run)"
+                          for w in WORKLOADS.values())
+    parser = argparse.ArgumentParser(
+        prog="python -m torchfeed.bench",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run synthetic workloads through torch.utils.data.DataLoader and "
+                    "torchfeed.DataLoader with the same arguments, alternating runs, and "
+                    "print the medians side by side with the ratio torchfeed/torch.",
+        epilog=f"workloads:\n{workloads}")
+    parser.add_argument("--workloads", type=_workload_list, default=list(WORKLOADS),
+                        help="comma-separated workloads to run (default: all)")
+    parser.add_argument("--num-workers", type=_non_negative, default=2,
+                        help="num_workers for both loaders (default: 2)")
+    parser.add_argument("--batches", type=_positive, default=None,
+                        help="timed batches per run, after the first batch "
+                             "(default: each workload's own, listed below)")
+    parser.add_argument("--repeats", type=_positive, default=None,
+                        help="runs per loader and workload; figures are medians (default: 3, "
+                             "1 with --quick)")
+    parser.add_argument("--transport", choices=["torch", "shm"], default=None,
+                        help="passed to torchfeed.DataLoader as transport=...; "
+                             "left out when not given, so torchfeed uses its default")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write machine-readable results to PATH")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: a tenth of the batches and 1 repeat")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress display on stderr")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = BenchConfig(
+        workloads=args.workloads,
+        num_workers=args.num_workers,
+        batches=args.batches,
+        repeats=args.repeats if args.repeats is not None else (1 if args.quick else 3),
+        transport=args.transport,
+        progress=not args.no_progress,
+        quick=args.quick,
+    )
+    command = command_line(None if argv is None else [sys.argv[0], *argv])
+    info = machine_info()
+    try:
+        results = run_comparison(config)
+    except KeyboardInterrupt:
+        # The run in flight has already shut its workers down on the way out.
+        print("torchfeed.bench: interrupted; no table", file=sys.stderr)
+        return 130
+    try:
+        end_load = os.getloadavg()[0]
+    except OSError:
+        end_load = None
+    print(format_report(results, config, info, command, end_load), flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(to_json(results, config, info, command) + "\n")
+        print(f"results written to {args.json}")
+    failed = any(r.figures[name].error for r in results for name in (TORCH, TORCHFEED))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""What the bench prints and writes: the machine, the command, the table, the JSON.
+
+Owns presentation only; every figure comes from :mod:`torchfeed.bench.compare`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+from typing import Any, Sequence
+
+import numpy
+import torch
+
+from .compare import METRICS, TORCH, TORCHFEED, BenchConfig, WorkloadResult
+from .measure import cpu_count
+
+_MIB = 1 << 20
+
+# (metric, group title, direction note, how to show one value)
+_COLUMNS = [
+    ("batches_per_s", "batches/s", "higher is better", lambda v: _num(v)),
+    ("first_batch_s", "first batch, ms", "lower is better", lambda v: _num(v * 1e3)),
+    ("cpu_us_per_batch", "main CPU us/batch", "lower is better", lambda v: _num(v)),
+    ("peak_mem_bytes", "peak MiB RSS+shm", "lower is better", lambda v: _num(v / _MIB)),
+]
+
+
+def _num(value: float) -> str:
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine_info() -> dict[str, Any]:
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
+    return {
+        "cores_usable": cpu_count(),
+        "cores_total": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "load_average_1min": load,
+    }
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as a person would retype it, whether run with -m or as a script."""
+    argv = list(sys.argv if argv is None else argv)
+    prog = argv[0] if argv else ""
+    if prog.endswith(os.path.join("torchfeed", "bench", "__main__.py")):
+        head = ["python", "-m", "torchfeed.bench"]
+    else:
+        head = ["python", os.path.relpath(prog) if prog else "?"]
+    return shlex.join(head + argv[1:])
+
+
+def describe_machine(info: dict[str, Any]) -> str:
+    load = info.get("load_average_1min")
+    load_text = f", 1-min load average {load:.2f}" if load is not None else ""
+    return (f"{info['cores_usable']} usable cores ({info['cores_total']} online), "
+            f"{info['cpu_model']}; torch {info['torch']}, numpy {info['numpy']}, "
+            f"Python {info['python']}, {info['platform']}{load_text}")
+
+
+def format_table(results: Sequence[WorkloadResult]) -> str:
+    """One row per workload; for each figure torch's, torchfeed's and torchfeed/torch."""
+    head1 = ["", ""]
+    head2 = ["workload", "batch"]
+    body: list[list[str]] = []
+    for _, title, direction, _ in _COLUMNS:
+        head1 += [f"{title} ({direction.split()[0]}=better)", "", ""]
+        head2 += [TORCH, TORCHFEED, "tf/torch"]
+    for result in results:
+        row = [result.workload.name, str(result.workload.batch_size)]
+        for metric, _, _, show in _COLUMNS:
+            for name in (TORCH, TORCHFEED):
+                figures = result.figures[name]
+                value = figures.median(metric)
+                row.append("error" if figures.error and value is None else
+                           "-" if value is None else show(value))
+            ratio = result.ratio(metric)
+            row.append("-" if ratio is None else f"{ratio:.2f}x")
+        body.append(row)
+
+    # Width of a group title spreads over its three columns.
+    widths = [max(len(r[i]) for r in [head2] + body) for i in range(len(head2))]
+    for g in range(len(_COLUMNS)):
+        cols = range(2 + 3 * g, 5 + 3 * g)
+        need = len(head1[2 + 3 * g]) - (sum(widths[c] for c in cols) + 4)
+        if need > 0:
+            widths[cols[-1]] += need
+
+    def line(cells: list[str], group_titles: bool = False) -> str:
+        parts = [cells[0].ljust(widths[0]), cells[1].rjust(widths[1])]
+        for g in range(len(_COLUMNS)):
+            cols = list(range(2 + 3 * g, 5 + 3 * g))
+            if group_titles:
+                span = sum(widths[c] for c in cols) + 4
+                parts.append(cells[cols[0]].ljust(span))
+            else:
+                parts.append("  ".join(cells[c].rjust(widths[c]) for c in cols))
+        return (parts[0] + "  " + parts[1] + " | " + " | ".join(parts[2:])).rstrip()
+
+    lines = [line(head1, group_titles=True), line(head2)]
+    lines.append("-" * len(lines[1]))
+    lines += [line(r) for r in body]
+    return "\n".join(lines)
+
+
+def format_report(results: Sequence[WorkloadResult], config: BenchConfig,
+                  info: dict[str, Any], command: str, end_load: float | None) -> str:
+    transport = f", transport={config.transport!r}" if config.transport else ""
+    lines = [
+        f"torchfeed.bench: torch.utils.data.DataLoader vs torchfeed.DataLoader, "
+        f"num_workers={config.num_workers}{transport}, median of {config.repeats} run(s) each",
+        f"machine: {describe_machine(info)}"
+        + (f"; {end_load:.2f} at the end" if end_load is not None else ""),
+        f"command: {command}",
+        "",
+        format_table(results),
+        "",
+        "tf/torch = torchfeed's figure / torch's. batches/s: above 1.00x means torchfeed is "
+        "faster; first batch, main CPU and memory: below 1.00x means torchfeed is better.",
+        "first batch: iter() to the first batch, worker start included. main CPU: "
+        "process_time() of the consuming process per timed batch. peak MiB: RSS of the main "
+        "process + its workers, plus /dev/shm growth.",
+        "Figures are medians; on a shared or busy machine they move between runs.",
+    ]
+    for result in results:
+        for name in (TORCH, TORCHFEED):
+            figures = result.figures[name]
+            if figures.error:
+                lines.append(f"error: {name} on {result.workload.name}: {figures.error}")
+            leftover = max((r.leftover_processes for r in figures.runs), default=0)
+            if leftover:
+                lines.append(f"warning: {name} on {result.workload.name} left {leftover} "
+                             "process(es) running 5 s after its iterator was deleted")
+    return "\n".join(lines)
+
+
+def to_json(results: Sequence[WorkloadResult], config: BenchConfig,
+            info: dict[str, Any], command: str) -> str:
+    data = {
+        "command": command,
+        "machine": info,
+        "config": {
+            "workloads": list(config.workloads),
+            "num_workers": config.num_workers,
+            "batches": config.batches,
+            "repeats": config.repeats,
+            "transport": config.transport,
+        },
+        "metrics": {m: f"{direction} is better" for m, direction in METRICS.items()},
+        "results": [r.to_dict() for r in results],
+    }
+    return json.dumps(data, indent=2)
