@@ -146,6 +146,7 @@ class _IdentityUnpacker:
     def stats(self):
         return {"transport": "torch", "slots": 0, "bytes": 0, "allocations": 0,
                 "retired": 0, "packed": 0, "worker_fallbacks": 0, "direct_bytes": 0, "in_use": 0,
+                "in_use_bytes": 0,
                 "unpacked": self.unpacked, "fallbacks": 0, "closed": self.closed}
 
     def close(self):

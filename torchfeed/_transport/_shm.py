@@ -265,6 +265,7 @@ class Unpacker:
         self._warned = channel.disabled_warning is not None
         self.closed = False
         self.in_use = 0
+        self.in_use_bytes = 0
         self.unpacked = 0
         self.fallbacks = 0
 
@@ -272,17 +273,18 @@ class Unpacker:
         entry = self._cache[w].get(idx)
         if entry is None or entry.uid != uid:
             entry = _slots.MainSlot(self._fds[w], uid, off, cap,
-                                    self._release_fn(self._ctrl[w].states, idx))
+                                    self._release_fn(self._ctrl[w].states, idx, cap))
             self._cache[w][idx] = entry
         return entry
 
-    def _release_fn(self, states, idx):
+    def _release_fn(self, states, idx, cap):
         me = weakref.ref(self)
 
         def release(_ref):
             self_ = me()
             if self_ is not None:
                 self_.in_use -= 1
+                self_.in_use_bytes -= cap
             states[idx] = _slots.FREE
         return release
 
@@ -300,6 +302,7 @@ class Unpacker:
         owner = entry.base.view(_layout.SlotOwner)
         entry.ref = weakref.ref(owner, entry.release)
         self.in_use += 1
+        self.in_use_bytes += entry.cap
         self.unpacked += 1
         return _layout.load(data, descs, owner)
 
@@ -319,7 +322,13 @@ class Unpacker:
             self._ctrl[w].states[idx] = _slots.FREE
 
     def stats(self) -> dict:
-        """Slot counters summed over the workers, plus this process's view."""
+        """Slot counters summed over the workers, plus this process's view.
+
+        ``slots``/``bytes``: slots the workers hold now and their capacity;
+        ``allocations``/``retired``: slots created/given back so far;
+        ``in_use``/``in_use_bytes``: batches rebuilt here and still referenced;
+        ``fallbacks``: batches that went torch's way; ``direct_bytes``: bytes
+        stacked straight into slots by the direct collate."""
         tot = {"slots": 0, "bytes": 0, "allocations": 0, "retired": 0, "packed": 0,
                "worker_fallbacks": 0, "direct_bytes": 0}
         if not self.closed:
@@ -332,8 +341,8 @@ class Unpacker:
                 tot["packed"] += int(c[_slots.C_PACKED])
                 tot["worker_fallbacks"] += int(c[_slots.C_FALLBACKS])
                 tot["direct_bytes"] += int(c[_slots.C_DIRECT])
-        tot.update(transport="shm", in_use=self.in_use, unpacked=self.unpacked,
-                   fallbacks=self.fallbacks, closed=self.closed)
+        tot.update(transport="shm", in_use=self.in_use, in_use_bytes=self.in_use_bytes,
+                   unpacked=self.unpacked, fallbacks=self.fallbacks, closed=self.closed)
         return tot
 
     def close(self) -> None:
