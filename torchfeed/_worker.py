@@ -168,9 +168,11 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             init_failure = WorkerFailure(exc, worker_id, "dataset.load_state_dict")
 
     packer = channel.packer(worker_id)
+    # torch's default_collate becomes one that stacks straight into the transport's slot.
+    collate_fn = packer.choose_collate(spec.collate_fn)
     epoch = spec.epoch
     fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
-                             spec.collate_fn, spec.drop_last)
+                             collate_fn, spec.drop_last)
     if resume is not None and resume[1]:
         fetcher.ended = True  # its stream ended with the last batch the user got
     exhausted = False
@@ -188,7 +190,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 epoch = task.epoch
                 exhausted = False
                 fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
-                                         spec.collate_fn, spec.drop_last)
+                                         collate_fn, spec.drop_last)
                 result_queue.put((task, worker_id, None, 0.0))
                 continue
             if exhausted:

@@ -1,41 +1,177 @@
 """How a batch crosses from a worker to the main process.
 
-``create_channel`` is called in the main process before workers start; the
-channel it returns is picklable and handed to every worker.  A worker packs
-each batch with ``channel.packer(worker_id).pack(batch)``; the main process
-rebuilds it with ``channel.unpacker().unpack(payload)``.
+Two transports share one interface:
 
-The ``torch`` transport packs nothing: the result queue pickles tensors through
-torch's own shared-memory reductions, exactly as torch's DataLoader does.
+* ``"shm"`` (the default): each worker writes every tensor and numpy array of
+  a batch into one reusable slot of nameless shared memory (a memfd) and sends
+  a message of a few hundred bytes; the main process rebuilds the batch as
+  zero-copy views of the slot and hands the slot back to the worker when the
+  last view dies. See ``_shm.py`` (channel, packer, unpacker), ``_slots.py``
+  (arenas, control block, pools), ``_layout.py`` (flatten/rebuild of nested
+  batches), ``_collate.py`` (default_collate straight into a slot) and
+  ``_space.py`` (how much shared memory the slots may use).
+* ``"torch"`` (the escape hatch): pack and unpack are the identity, and the
+  result queue pickles tensors with torch's own shared-memory reductions,
+  exactly as ``torch.utils.data.DataLoader`` does.
+
+Usage::
+
+    channel = create_channel(num_workers, mp_context, options)  # main, before workers
+    # worker process (channel passed as a Process argument):
+    packer = channel.packer(worker_id)
+    collate_fn = packer.choose_collate(collate_fn)  # default_collate -> into the slot
+    payload = packer.pack(collate_fn(samples))
+    # main process:
+    unpacker = channel.unpacker()
+    batch = unpacker.unpack(payload)
+    unpacker.discard(payload)               # a payload that will never be unpacked
+    unpacker.stats()
+    unpacker.close()                        # when the iterator ends
+
+The transport is chosen by the ``transport`` option, else the environment
+variable ``TORCHFEED_TRANSPORT``, else ``"shm"``; where memfd is not available
+(not Linux) ``"shm"`` quietly means ``"torch"``. When the slots do not fit the
+shared-memory budget (``TORCHFEED_SHM_LIMIT``, or half the available memory),
+the batches that do not fit go torch's way and the main process warns once;
+nothing raises (see ``_space.py``).
 """
+
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 
-class _Identity:
+from . import _slots, _space
+from ._collate import is_default_collate
+from ._shm import Packer, Plain, ShmChannel, ShmFallbackWarning, Unpacker
+from ._space import ENV_LIMIT, SpaceCheck, check_space
+
+ENV_TRANSPORT = "TORCHFEED_TRANSPORT"
+TRANSPORTS = ("shm", "torch")
+
+# Below this per-worker budget the slots would not be worth having.
+MIN_BYTES_PER_WORKER = 2 * _slots.REGION_ALIGN + _slots.CTRL_BYTES
+
+__all__ = [
+    "ENV_LIMIT", "ENV_TRANSPORT", "TRANSPORTS", "Packer", "Plain", "ShmChannel",
+    "ShmFallbackWarning", "SpaceCheck", "TorchChannel", "TransportOptions", "Unpacker",
+    "check_space", "create_channel", "is_default_collate", "resolve_transport",
+]
+
+
+@dataclass
+class TransportOptions:
+    """The transport's knobs. ``create_channel`` also accepts a mapping, or any
+    object with these attributes (missing ones take these defaults)."""
+
+    transport: str | None = None      # "shm" | "torch" | None (environment, then "shm")
+    shm_limit: int | str | None = None  # bytes all slots may use; see _space.py
+    max_slots_per_worker: int = 64    # more held batches than this go torch's way
+    idle_batches: int = 64            # a slot free for this many batches is given back
+
+
+def _option(options, name):
+    default = getattr(TransportOptions, name)
+    if options is None:
+        return default
+    if isinstance(options, dict):
+        return options.get(name, default)
+    return getattr(options, name, default)
+
+
+def resolve_transport(value=None) -> str:
+    """The transport to use: ``value``, else ``$TORCHFEED_TRANSPORT``, else ``"shm"``."""
+    if value is None:
+        value = os.environ.get(ENV_TRANSPORT) or "shm"
+        what = ENV_TRANSPORT
+    else:
+        what = "transport"
+    if value not in TRANSPORTS:
+        raise ValueError(f"{what} must be one of {', '.join(map(repr, TRANSPORTS))}, "
+                         f"got {value!r}")
+    return value
+
+
+def create_channel(num_workers: int, mp_context=None, options=None):
+    """A channel for ``num_workers`` workers; create it before starting them.
+
+    The channel is picklable and is passed to every worker as a process
+    argument (fork, spawn and forkserver all work). ``mp_context`` is accepted
+    for symmetry with the loader; the channel needs nothing from it.
+    """
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+    kind = resolve_transport(_option(options, "transport"))
+    if kind == "torch" or not _slots.memfd_supported():
+        return TorchChannel(num_workers)
+    limit = _option(options, "shm_limit")
+    budget, source = _space.shm_budget(limit)
+    need = num_workers * MIN_BYTES_PER_WORKER
+    disabled = None
+    if budget < need:
+        check = SpaceCheck(False, need, budget, source, _space.dev_shm_free())
+        disabled = check.message(f"{num_workers} workers' slots (at least)")
+    return ShmChannel(num_workers, budget, source,
+                      int(_option(options, "max_slots_per_worker")),
+                      int(_option(options, "idle_batches")), disabled)
+
+
+class _IdentityPacker:
+    def __init__(self, worker_id):
+        self.worker_id = worker_id
+
+    def choose_collate(self, collate_fn):
+        return collate_fn
+
     def pack(self, batch):
         return batch
-
-    def unpack(self, payload):
-        return payload
 
     def close(self):
         pass
 
-    def stats(self) -> dict:
-        return {}
+
+class _IdentityUnpacker:
+    closed = False
+
+    def __init__(self):
+        self.unpacked = 0
+
+    def unpack(self, payload):
+        self.unpacked += 1
+        return payload
+
+    def discard(self, payload):
+        pass
+
+    def stats(self):
+        return {"transport": "torch", "slots": 0, "bytes": 0, "allocations": 0,
+                "retired": 0, "packed": 0, "worker_fallbacks": 0, "direct_bytes": 0, "in_use": 0,
+                "in_use_bytes": 0,
+                "unpacked": self.unpacked, "fallbacks": 0, "closed": self.closed}
+
+    def close(self):
+        self.closed = True
 
 
 class TorchChannel:
-    """The escape hatch: torch's own path for tensors."""
+    """The escape hatch: batches travel through torch's own reductions."""
 
-    name = "torch"
+    kind = "torch"
 
-    def packer(self, worker_id: int) -> _Identity:
-        return _Identity()
+    def __init__(self, num_workers: int):
+        self.num_workers = num_workers
+        self._unpacker = None
 
-    def unpacker(self) -> _Identity:
-        return _Identity()
+    def packer(self, worker_id: int):
+        return _IdentityPacker(worker_id)
 
+    def unpacker(self):
+        if self._unpacker is None:
+            self._unpacker = _IdentityUnpacker()
+        return self._unpacker
 
-def create_channel(num_workers: int, mp_context, options) -> TorchChannel:
-    return TorchChannel()
+    def stats(self):
+        return self.unpacker().stats()
+
+    def close(self):
+        self.unpacker().close()

@@ -1,0 +1,257 @@
+"""The shared-memory transport inside torchfeed.DataLoader: the default path,
+the escape hatch, and what it leaves behind."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+import torchfeed
+import transport_helpers as h
+from torchfeed import _transport
+
+Pair = collections.namedtuple("Pair", "image label")
+
+
+class Images(Dataset):
+    def __init__(self, n=24, size=16):
+        self.n, self.size = n, size
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return Pair(torch.full((3, self.size, self.size), i % 251, dtype=torch.uint8), i)
+
+
+class Records(Dataset):
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        return {"x": np.full(4, i, np.float32), "id": np.int64(i), "name": f"r{i}",
+                "t": {f"f{k}": torch.full((2,), float(i + k)) for k in range(8)}}
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for i in range(info.id, 30, info.num_workers):
+            yield torch.tensor([i, i * i])
+
+
+class Failing(Images):
+    def __getitem__(self, i):
+        if i == 13:
+            raise ValueError("sample 13 is broken")
+        return super().__getitem__(i)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv(_transport.ENV_TRANSPORT, raising=False)
+    monkeypatch.delenv("TORCHFEED_SHM_LIMIT", raising=False)
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return type(b) is torch.Tensor and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+def _in_slot(t):
+    ptr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if h.MEMFD_TAG in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= ptr < hi:
+                    return True
+    return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dataset", [Images(), Records()], ids=["images", "records"])
+def test_default_transport_is_shm_and_batches_equal_torch(dataset):
+    kw = dict(batch_size=4, shuffle=True, num_workers=2)
+    ours = torchfeed.DataLoader(dataset, generator=torch.Generator().manual_seed(3), **kw)
+    theirs = torch.utils.data.DataLoader(dataset, generator=torch.Generator().manual_seed(3),
+                                         **kw)
+    assert ours.transport == "shm"
+    it = iter(ours)
+    got = list(it)
+    want = list(theirs)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert _same(a, b)
+    leaf = got[0].image if isinstance(got[0], Pair) else got[0]["t"]["f0"]
+    assert _in_slot(leaf)  # zero-copy, in one of the transport's slots
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_spawn_and_forkserver_workers(context):
+    loader = torchfeed.DataLoader(Records(), batch_size=4, num_workers=2,
+                                  multiprocessing_context=context)
+    got = list(loader)
+    want = list(torch.utils.data.DataLoader(Records(), batch_size=4))
+    assert len(got) == len(want) and all(map(_same, got, want))
+    assert _in_slot(got[-1]["t"]["f7"])
+
+
+@pytest.mark.timeout(120)
+def test_independent_of_torch_sharing_strategy():
+    old = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        got = list(torchfeed.DataLoader(Images(), batch_size=4, num_workers=2))
+    finally:
+        torch.multiprocessing.set_sharing_strategy(old)
+    assert [b.label[0].item() for b in got] == list(range(0, 24, 4))
+    assert _in_slot(got[0].image)
+
+
+@pytest.mark.timeout(120)
+def test_iterable_dataset_and_custom_collate():
+    def collate(samples):
+        return {"stacked": torch.stack(samples), "n": len(samples)}
+
+    got = list(torchfeed.DataLoader(Stream(), batch_size=4, num_workers=2, collate_fn=collate))
+    values = sorted(int(v) for b in got for v in b["stacked"][:, 0])
+    assert values == list(range(30)) and all(b["n"] == len(b["stacked"]) for b in got)
+    assert _in_slot(got[0]["stacked"])
+
+
+@pytest.mark.timeout(120)
+def test_escape_hatch_argument_and_environment(monkeypatch):
+    loader = torchfeed.DataLoader(Images(), batch_size=4, num_workers=2, transport="torch")
+    it = iter(loader)
+    assert isinstance(it._channel, _transport.TorchChannel)
+    batch = next(it)
+    assert not _in_slot(batch.image)
+    del it, batch
+    monkeypatch.setenv(_transport.ENV_TRANSPORT, "torch")
+    loader = torchfeed.DataLoader(Images(), batch_size=4, num_workers=2)
+    assert loader.transport == "torch"
+    assert all(not _in_slot(b.image) for b in loader)
+
+
+@pytest.mark.timeout(120)
+def test_holding_every_batch_and_slot_reuse_across_epochs():
+    loader = torchfeed.DataLoader(Images(n=64), batch_size=4, num_workers=2,
+                                  persistent_workers=True)
+    held = list(loader)  # the pool grows to hold them all
+    for k, b in enumerate(held):
+        assert b.label.tolist() == list(range(4 * k, 4 * k + 4))
+        assert int(b.image[0, 0, 0, 0]) == 4 * k
+    del held, b
+    gc.collect()
+    it = iter(loader)
+    for _ in range(2):
+        for b in loader:
+            del b
+    st = it._channel.stats()
+    before = st["allocations"]
+    for _ in range(3):
+        for b in loader:
+            del b
+    assert it._channel.stats()["allocations"] == before
+
+
+def _leftovers(shm_before):
+    gc.collect()
+    assert h.memfd_refs(os.getpid()) == []
+    assert h.leftover_shm(shm_before, [os.getpid()]) == set()
+
+
+@pytest.mark.timeout(120)
+def test_nothing_left_after_normal_end_early_break_and_worker_error():
+    before = h.dev_shm()
+    for b in torchfeed.DataLoader(Images(), batch_size=4, num_workers=2):
+        pass
+    del b
+    _leftovers(before)
+
+    it = iter(torchfeed.DataLoader(Images(), batch_size=4, num_workers=2))
+    kept = next(it)
+    del it
+    gc.collect()
+    assert int(kept.image[0, 0, 0, 0]) == 0  # a batch kept past the iterator stays valid
+    del kept
+    _leftovers(before)
+
+    with pytest.raises(ValueError, match="sample 13 is broken"):
+        for b in torchfeed.DataLoader(Failing(), batch_size=4, num_workers=2):
+            pass
+    del b
+    _leftovers(before)
+
+
+@pytest.mark.timeout(120)
+def test_small_shm_limit_still_loads_with_one_warning(monkeypatch):
+    monkeypatch.setenv("TORCHFEED_SHM_LIMIT", "1m")
+    loader = torchfeed.DataLoader(Images(n=8, size=224), batch_size=8, num_workers=2)
+    with pytest.warns(_transport.ShmFallbackWarning, match="TORCHFEED_SHM_LIMIT=1m") as rec:
+        batches = list(loader)
+    assert len([w for w in rec if w.category is _transport.ShmFallbackWarning]) == 1
+    assert batches[0].image.shape == (8, 3, 224, 224)
+    assert batches[0].label.tolist() == list(range(8))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")
+def test_pin_memory_returns_pinned_tensors_and_frees_slots_early():
+    loader = torchfeed.DataLoader(Images(n=32), batch_size=4, num_workers=2, pin_memory=True)
+    it = iter(loader)
+    held = [next(it) for _ in range(6)]
+    assert all(b.image.is_pinned() and b.label.is_pinned() for b in held)
+    assert not _in_slot(held[0].image)
+    assert it._channel.stats()["in_use"] == 0  # the pin thread copied out; slots are back
+    for k, b in enumerate(held):
+        assert b.label.tolist() == list(range(4 * k, 4 * k + 4))
+
+
+LOADER_MAIN = """
+import sys, time
+sys.path[:0] = [{root!r}, {tests!r}]
+import torchfeed
+from test_transport_loader import Images
+it = iter(torchfeed.DataLoader(Images(n=64, size=64), batch_size=4, num_workers=2))
+held = [next(it) for _ in range(5)]
+print(" ".join(str(w.pid) for w in it._workers), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_nothing_left_after_main_process_sigkill():
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    before = h.dev_shm()
+    script = LOADER_MAIN.format(root=root, tests=os.path.join(root, "tests"))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(x) for x in proc.stdout.readline().split()]
+        assert len(workers) == 2 and all(h.memfd_refs(p) for p in workers)
+        used = h.shm_entries_of(workers + [proc.pid])
+        proc.kill()
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+    pids = workers + [proc.pid]
+    assert h.wait_until(lambda: not any(h.alive(p) for p in pids), 10)
+    assert all(h.memfd_refs(p) == [] for p in pids)
+    assert h.leftover_shm(before, pids, used) == set()

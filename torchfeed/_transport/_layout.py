@@ -1,0 +1,245 @@
+"""Flatten a nested batch into one slot, and rebuild it as zero-copy views.
+
+The batch is pickled, in the worker, by a pickler with a persistent-id hook.
+Every plain CPU tensor and every numpy array without Python objects in it is
+not pickled: it becomes a *leaf*, given an aligned offset in the slot, and only
+its index goes into the pickle; its descriptor ``(kind, offset, ..., shape,
+dtype)`` travels beside the pickle. Everything
+else (dict, list, tuple, namedtuple, dataclass, custom Mapping/Sequence types,
+str, int, arbitrary objects, even tensors held inside objects' attributes) is
+pickled as usual, so the batch comes back with exactly the types, nesting and
+object identities it had, by pickle's own rules. Tensors that cannot live in a
+slot (sparse, quantized, nested, requiring grad, not on the CPU, tensor
+subclasses) are pickled with torch's own multiprocessing reductions, as torch's
+DataLoader would.
+
+In the main process the pickle is loaded with a persistent-load hook that turns
+each leaf id into a view of the slot: a numpy array for a numpy leaf, a tensor
+for a tensor leaf (via ``torch.from_numpy`` where numpy has the dtype, else
+``torch.frombuffer``; either way the tensor has a storage of its own, exactly
+its bytes, as a collated tensor would). Every view references one per-batch
+:class:`SlotOwner`, a view of the whole slot; when the owner dies, no view of
+the batch is left and the slot can be reused.
+
+Leaves are written contiguous and C-ordered whatever their input strides, so a
+non-contiguous input comes back contiguous with the same values; a tensor that
+appears twice in a batch comes back as one object, as with pickle. Two
+different views of one storage come back as two separate copies.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import torch
+
+ALIGN = 64
+
+# Leaf descriptors. The pickle holds only each leaf's index into the list of
+# descriptors (an int pid, which the pickler saves without further calls to
+# persistent_id); the descriptors travel beside it as plain tuples.
+K_TORCH_NP = 0   # (0, start, end, shape, numpy dtype str): torch.from_numpy(view)
+K_TORCH_BUF = 1  # (1, start, shape, torch dtype code, numel): torch.frombuffer
+K_NUMPY = 2      # (2, start, end, shape, numpy dtype str or dtype): view
+
+
+class SlotOwner(np.ndarray):
+    """The owner of one batch: a uint8 view of its whole slot.
+
+    A subclass on purpose: numpy collapses a view's ``base`` chain through
+    plain ndarrays (and through memoryviews) down to the memory's exporter, so
+    a plain array or memoryview owner would be skipped and could die while
+    views of the batch are still alive. The chain stops at a different type,
+    so every leaf keeps this object, and only this object, alive.
+    """
+
+TORCH_DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)},
+                            key=str))
+_TORCH_CODE = {d: i for i, d in enumerate(TORCH_DTYPES)}
+
+_NUMPY_OF_TORCH = {}
+for _t, _n in ((torch.bool, np.bool_), (torch.uint8, np.uint8), (torch.int8, np.int8),
+               (torch.int16, np.int16), (torch.int32, np.int32), (torch.int64, np.int64),
+               (torch.uint16, np.uint16), (torch.uint32, np.uint32),
+               (torch.uint64, np.uint64), (torch.float16, np.float16),
+               (torch.float32, np.float32), (torch.float64, np.float64),
+               (torch.complex64, np.complex64), (torch.complex128, np.complex128)):
+    _NUMPY_OF_TORCH[_t] = np.dtype(_n).str
+del _t, _n
+
+_NP_DTYPES: dict = {}
+
+
+def _np_dtype(code):
+    dt = _NP_DTYPES.get(code)
+    if dt is None:
+        dt = _NP_DTYPES[code] = np.dtype(code)
+    return dt
+
+
+def _slot_tensor(t) -> bool:
+    """Whether tensor ``t`` (exact type torch.Tensor) can be a leaf in a slot."""
+    return (t.layout is torch.strided and t.is_cpu and not t.requires_grad
+            and not t.is_quantized and not t.is_nested)
+
+
+_dispatch: dict = {}
+_dispatch_sizes = [(-1, -1)]
+
+
+def _dispatch_table():
+    """copyreg's reductions plus multiprocessing's (torch registers its own
+    there); what ``ForkingPickler`` uses, without copying it per batch."""
+    sizes = (len(copyreg.dispatch_table), len(ForkingPickler._extra_reducers))
+    if sizes != _dispatch_sizes[0]:
+        _dispatch.clear()
+        _dispatch.update(copyreg.dispatch_table)
+        _dispatch.update(ForkingPickler._extra_reducers)
+        _dispatch_sizes[0] = sizes
+    return _dispatch
+
+
+class LeafPickler(pickle.Pickler):
+    """Pickles a batch, collecting its array leaves instead of pickling them.
+
+    After ``dump``: ``leaves`` lists ``(array, offset)`` to copy into the slot,
+    and ``end`` is the bytes the slot needs. ``direct`` maps ``id(tensor)`` to
+    ``(tensor, offset)`` for tensors already written in the slot (by the
+    direct collate), which are referenced, not copied. Everything else is
+    pickled as ``ForkingPickler`` would.
+    """
+
+    def __init__(self, file, start: int = 0, direct=None):
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self.dispatch_table = _dispatch_table()
+        self.leaves: list = []
+        self.end = start
+        self.direct = direct
+        self.descs: list = []
+        self._seen: dict = {}
+
+    def _alloc(self, nbytes: int) -> int:
+        off = (self.end + ALIGN - 1) & ~(ALIGN - 1)
+        self.end = off + nbytes
+        return off
+
+    def persistent_id(self, obj):
+        tp = type(obj)
+        if tp is torch.Tensor:
+            if not _slot_tensor(obj):
+                return None
+        elif tp is np.ndarray:
+            if obj.dtype.hasobject:
+                return None
+        else:
+            return None
+        seen = self._seen.get(id(obj))
+        if seen is not None and seen[0] is obj:
+            return seen[1]  # the same object again: pickle's identity semantics
+        i = len(self.descs)
+        self._seen[id(obj)] = (obj, i)
+        shape = tuple(obj.shape)
+        if tp is np.ndarray:
+            off = self._alloc(obj.nbytes)
+            self.leaves.append((obj, off))
+            dt = obj.dtype
+            self.descs.append((K_NUMPY, off, self.end, shape,
+                               dt if dt.fields is not None or dt.subdtype else dt.str))
+            return i
+        d = self.direct.get(id(obj)) if self.direct else None
+        if d is not None and d[0] is obj:
+            off = d[1]
+        else:
+            off = self._alloc(obj.nbytes)
+            self.leaves.append((obj, off))
+        npdt = _NUMPY_OF_TORCH.get(obj.dtype)
+        if npdt is not None:
+            self.descs.append((K_TORCH_NP, off, off + obj.nbytes, shape, npdt))
+        else:
+            self.descs.append((K_TORCH_BUF, off, shape, _TORCH_CODE[obj.dtype], obj.numel()))
+        return i
+
+
+def dump(batch, start: int = 0, direct=None) -> LeafPickler:
+    """Pickle ``batch``; the pickler returned carries ``data``, ``descs``,
+    ``leaves`` and ``end``."""
+    buf = io.BytesIO()
+    p = LeafPickler(buf, start, direct)
+    p.dump(batch)
+    p.data = buf.getvalue()
+    p.descs = tuple(p.descs)
+    return p
+
+
+def copy_leaves(leaves, slot) -> None:
+    """Write every ``(array, offset)`` leaf into ``slot`` (a ``_slots.WorkerSlot``)."""
+    arr = slot.arr
+    for src, off in leaves:
+        n = src.nbytes
+        if n == 0:
+            continue
+        if type(src) is torch.Tensor:
+            npdt = _NUMPY_OF_TORCH.get(src.dtype)
+            if npdt is None or src.is_conj() or src.is_neg():
+                typed = slot.typed(src.dtype)
+                typed.as_strided(src.shape, _contiguous_strides(src.shape),
+                                 off // src.itemsize).copy_(src)
+                continue
+            src = src.numpy()  # numpy's calls cost a fraction of torch's for small leaves
+        if src.flags.c_contiguous:
+            arr[off:off + n] = src.reshape(-1).view(np.uint8)
+        else:
+            np.copyto(arr[off:off + n].view(src.dtype).reshape(src.shape), src, casting="no")
+
+
+def _contiguous_strides(shape):
+    strides = []
+    step = 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return strides[::-1]
+
+
+class LeafUnpickler(pickle.Unpickler):
+    """Loads a batch pickled by :class:`LeafPickler`, leaves as views of ``owner``."""
+
+    def __init__(self, data: bytes, descs: tuple, owner: SlotOwner):
+        super().__init__(io.BytesIO(data))
+        self.descs = descs
+        self.owner = owner
+        self.built = [None] * len(descs)
+
+    def persistent_load(self, i):
+        x = self.built[i]
+        if x is not None:
+            return x
+        d = self.descs[i]
+        kind = d[0]
+        if kind == K_TORCH_NP:
+            x = torch.from_numpy(self.owner[d[1]:d[2]].view(_np_dtype(d[4]), np.ndarray)
+                                 .reshape(d[3]))
+        elif kind == K_NUMPY:
+            dt = d[4]
+            x = self.owner[d[1]:d[2]].view(_np_dtype(dt) if type(dt) is str else dt,
+                                           np.ndarray).reshape(d[3])
+        elif kind == K_TORCH_BUF:
+            dtype = TORCH_DTYPES[d[3]]
+            if d[4] == 0:
+                x = torch.empty(d[2], dtype=dtype)
+            else:
+                x = torch.frombuffer(self.owner, dtype=dtype, count=d[4],
+                                     offset=d[1]).view(d[2])
+        else:
+            raise pickle.UnpicklingError(f"torchfeed transport: unknown leaf kind {kind!r}")
+        self.built[i] = x
+        return x
+
+
+def load(data: bytes, descs: tuple, owner: SlotOwner):
+    """Rebuild the batch pickled in ``data``; its leaves view ``owner``."""
+    return LeafUnpickler(data, descs, owner).load()

@@ -1,0 +1,296 @@
+"""Shared-memory slots: one nameless memfd arena per worker, its control block,
+the worker's slot pool and the main process's slot cache.
+
+Arena. The main process creates one ``memfd`` per worker before the workers
+start, so no file descriptor ever has to travel after start-up: workers get
+theirs by fork inheritance or, with spawn and forkserver, as a descriptor
+passed at start. A memfd has no name, so nothing appears in ``/dev/shm``, and
+its memory is freed by the kernel once the last descriptor and mapping are
+gone, however the processes ended. The worker grows its arena; the main
+process maps each slot region of it the first time it sees the slot.
+
+Layout of an arena file::
+
+    [0, 4096)          control block: 8-byte header, counters, one state byte per slot
+    [65536, ...)       slot regions, each 64 KiB-aligned, allocated by the worker
+
+A slot is a region of the arena plus an index into the control block. Its
+state byte is ``FREE`` (the worker may write it) or ``IN_FLIGHT`` (a batch in
+it belongs to the main process). The worker flips FREE to IN_FLIGHT before it
+sends a batch; the main process flips it back when the last view of that batch
+dies. Ownership alternates, so one byte with no lock is enough.
+
+Every region is allocated with ``posix_fallocate`` before it is mapped, so a
+shortage is an ``OSError`` (ENOSPC/ENOMEM), never a SIGBUS on first touch.
+Freed regions are punched out of the file (``fallocate(PUNCH_HOLE)``, or
+``MADV_REMOVE`` through a mapping once the descriptor is closed), which returns
+the memory even when some other process, a forked child say, still holds the
+descriptor or a mapping. Mappings are made with libc (see :class:`SharedMap`)
+so that they hold no descriptor: the main process keeps exactly one
+descriptor per worker while the iterator runs, and none after it ends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import weakref
+
+import numpy as np
+import torch
+
+CTRL_BYTES = mmap.PAGESIZE
+STATES_AT = 64
+MAX_SLOTS = CTRL_BYTES - STATES_AT
+REGION_ALIGN = 1 << 16
+FIRST_REGION = REGION_ALIGN
+FREE, IN_FLIGHT = 0, 1
+
+# int64 counters at byte 8 of the control block, written by the worker only.
+C_ALLOCATIONS, C_RETIRED, C_BYTES, C_SLOTS, C_FALLBACKS, C_PACKED, C_DIRECT = range(7)
+N_COUNTERS = 7
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def memfd_supported() -> bool:
+    return hasattr(os, "memfd_create") and hasattr(mmap, "MADV_REMOVE")
+
+
+def create_arena(worker_id: int) -> int:
+    """A new, empty arena for one worker; returns its descriptor."""
+    fd = os.memfd_create(f"torchfeed-transport-w{worker_id}", os.MFD_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, CTRL_BYTES)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class SharedMap:
+    """``length`` bytes of ``fd`` from ``offset``, mapped shared and read-write.
+
+    Python's ``mmap.mmap`` keeps a duplicate of the descriptor for as long as
+    the mapping lives (before Python 3.13), which would cost one descriptor
+    per slot and keep descriptors open in the user's batches after the
+    iterator ends. This maps with libc instead: ``array`` (a uint8 numpy
+    array) is the mapping; the memory is unmapped when the last view of
+    ``array`` dies, and no descriptor is held.
+    """
+
+    __slots__ = ("addr", "length", "array")
+
+    def __init__(self, fd: int, length: int, offset: int = 0, populate: bool = False):
+        flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+        addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
+        if addr in (None, _MAP_FAILED):
+            e = ctypes.get_errno()
+            raise OSError(e, f"mmap of {length} bytes of shared memory failed: {os.strerror(e)}")
+        self.addr, self.length = addr, length
+        self.array = np.frombuffer((ctypes.c_ubyte * length).from_address(addr), np.uint8)
+        fin = weakref.finalize(self.array, _libc.munmap, addr, length)
+        fin.atexit = False  # exiting unmaps anyway; earlier could pull memory from live views
+
+    def remove(self) -> None:
+        """Give the pages back to the system (later reads see zeros)."""
+        if _libc.madvise(self.addr, self.length, mmap.MADV_REMOVE) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e))
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Give back the memory of ``[offset, offset+length)`` of ``fd``."""
+    if length <= 0:
+        return
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        e = ctypes.get_errno()
+        if e not in (errno.EBADF,):
+            raise OSError(e, os.strerror(e))
+
+
+class ControlBlock:
+    """The control page of one arena, mapped in this process."""
+
+    __slots__ = ("map", "states", "counters")
+
+    def __init__(self, fd: int):
+        self.map = SharedMap(fd, CTRL_BYTES)
+        a = self.map.array
+        self.states = a[STATES_AT:STATES_AT + MAX_SLOTS]
+        self.counters = a[8:8 + 8 * N_COUNTERS].view(np.int64)
+
+
+def punch(fd: int, keep=()) -> None:
+    """Give back the memory of every slot region of arena ``fd`` except ``keep``.
+
+    ``keep`` is a list of ``(offset, length)`` regions still referenced by
+    batches the user holds.
+    """
+    size = os.fstat(fd).st_size
+    start = FIRST_REGION
+    for off, length in sorted(keep):
+        punch_hole(fd, start, off - start)
+        start = max(start, off + length)
+    punch_hole(fd, start, size - start)
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class WorkerSlot:
+    """A slot as the worker sees it: its region mapped read-write."""
+
+    __slots__ = ("idx", "uid", "off", "cap", "arr", "u8", "last_used", "_typed")
+
+    def __init__(self, idx, uid, off, cap, arr):
+        self.idx, self.uid, self.off, self.cap, self.arr = idx, uid, off, cap, arr
+        self.u8 = torch.from_numpy(arr)
+        self.last_used = 0
+        self._typed = {}
+
+    def typed(self, dtype):
+        """The whole slot as a 1-D tensor of ``dtype`` (cached)."""
+        t = self._typed.get(dtype)
+        if t is None:
+            t = self._typed[dtype] = self.u8.view(dtype)
+        return t
+
+
+class WorkerPool:
+    """The slots of one worker: reuse, growth, trimming and the byte budget.
+
+    ``acquire(n)`` returns a free slot of at least ``n`` bytes, preferring the
+    one used most recently (its pages are mapped and warm in both processes).
+    A slot that has stayed free for ``idle_batches`` acquisitions is given back,
+    so the pool shrinks to what the consumer actually holds. A batch bigger than
+    every free slot gets a new one with 1/16 headroom; free slots too small for
+    it are given back first.
+    """
+
+    def __init__(self, fd: int, budget: int, max_slots: int, idle_batches: int):
+        self.fd = fd
+        self.ctrl = ControlBlock(fd)
+        self.states = self.ctrl.states
+        self.counters = self.ctrl.counters
+        self.budget = budget
+        self.max_slots = min(max_slots, MAX_SLOTS)
+        self.idle_batches = idle_batches
+        self.slots: dict[int, WorkerSlot] = {}
+        self.free_idx = list(range(MAX_SLOTS - 1, -1, -1))
+        self.free_regions: list[tuple[int, int]] = []
+        self.end = FIRST_REGION
+        self.bytes = 0
+        self.tick = 0
+        self.uid = 0
+
+    def acquire(self, nbytes: int, exclude=None):
+        """``(slot, None)``, or ``(None, reason)`` when no slot can be had."""
+        states = self.states
+        best = None
+        free = []
+        for s in self.slots.values():
+            if s is not exclude and states[s.idx] == FREE:
+                free.append(s)
+                if s.cap >= nbytes and (best is None or s.last_used > best.last_used):
+                    best = s
+        self.tick += 1
+        if best is None:
+            for s in free:
+                if s.cap < nbytes:
+                    self.retire(s)
+            best, reason = self._create(nbytes)
+            if best is None:
+                return None, reason
+        else:
+            for s in free:
+                if s is not best and self.tick - s.last_used > self.idle_batches:
+                    self.retire(s)
+        best.last_used = self.tick
+        return best, None
+
+    def _create(self, nbytes: int):
+        cap = max(REGION_ALIGN, _round_up(nbytes + nbytes // 16, REGION_ALIGN))
+        if not self.free_idx or len(self.slots) >= self.max_slots:
+            return None, ("pool", len(self.slots), self.bytes, cap)
+        if self.bytes + cap > self.budget:
+            return None, ("budget", self.bytes + cap, self.budget, nbytes)
+        off = self._take_region(cap)
+        try:
+            os.posix_fallocate(self.fd, off, cap)
+            arr = SharedMap(self.fd, cap, off, populate=True).array
+        except OSError as e:
+            punch_hole(self.fd, off, cap)
+            self._give_region(off, cap)
+            return None, ("oserror", str(e), cap, nbytes)
+        idx = self.free_idx.pop()
+        self.uid += 1
+        slot = WorkerSlot(idx, self.uid, off, cap, arr)
+        self.slots[idx] = slot
+        self.bytes += cap
+        c = self.counters
+        c[C_ALLOCATIONS] += 1
+        c[C_BYTES] = self.bytes
+        c[C_SLOTS] = len(self.slots)
+        return slot, None
+
+    def retire(self, slot: WorkerSlot) -> None:
+        """Give a free slot's memory back to the system."""
+        del self.slots[slot.idx]
+        punch_hole(self.fd, slot.off, slot.cap)
+        slot.u8 = slot.arr = slot._typed = None  # unmapped once no view is left
+        self.free_idx.append(slot.idx)
+        self._give_region(slot.off, slot.cap)
+        self.bytes -= slot.cap
+        c = self.counters
+        c[C_RETIRED] += 1
+        c[C_BYTES] = self.bytes
+        c[C_SLOTS] = len(self.slots)
+
+    def _take_region(self, cap: int) -> int:
+        for i, (off, size) in enumerate(self.free_regions):
+            if size >= cap:
+                if size == cap:
+                    del self.free_regions[i]
+                else:
+                    self.free_regions[i] = (off + cap, size - cap)
+                return off
+        off = self.end
+        self.end += cap
+        return off
+
+    def _give_region(self, off: int, cap: int) -> None:
+        if off + cap == self.end:
+            self.end = off
+        else:
+            self.free_regions.append((off, cap))
+
+    def close(self) -> None:
+        for s in self.slots.values():
+            s.u8 = s.arr = s._typed = None
+        self.slots.clear()
+
+
+class MainSlot:
+    """A slot as the main process sees it: its region mapped, and the hook that
+    hands it back to the worker when the last view of its batch dies."""
+
+    __slots__ = ("uid", "off", "cap", "map", "base", "release", "ref", "__weakref__")
+
+    def __init__(self, fd, uid, off, cap, release):
+        self.uid, self.off, self.cap, self.release = uid, off, cap, release
+        self.map = SharedMap(fd, cap, off, populate=True)
+        self.base = self.map.array
+        self.ref = None
