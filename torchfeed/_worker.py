@@ -38,7 +38,7 @@ from . import _seeding
 from ._errors import WorkerFailure
 from ._fetch import create_fetcher
 from ._index_stream import StatefulResult
-from ._pickling import describe_unpicklable
+from ._pickling import describe_unpicklable, find_unpicklable
 
 POLL_INTERVAL = 0.25  # seconds between checks that the main process is alive
 FLUSH_TIMEOUT = 0.5   # seconds an exiting worker waits for its last results to be written
@@ -124,16 +124,18 @@ def _serialize(send_idx: int, payload, worker_id: int, task: Task | None):
     try:
         return send_idx, worker_id, bytes(ForkingPickler.dumps(payload))
     except Exception as exc:
-        detail = describe_unpicklable(payload)
-        error = TypeError(
-            f"DataLoader worker {worker_id} built a batch that cannot be sent to the main "
-            f"process: {detail}. Convert it to a tensor, array, number or string in "
-            f"__getitem__ or collate_fn, or drop it from the sample.")
-        error.__cause__ = exc
-        failure = WorkerFailure(error, worker_id, "sending",
-                                task.indices if task else None,
-                                task.batch_index if task else None)
+        failure = _unsendable(exc, describe_unpicklable(payload), worker_id, task)
         return send_idx, worker_id, bytes(ForkingPickler.dumps(failure))
+
+
+def _unsendable(exc: Exception, detail: str, worker_id: int, task: Task | None):
+    error = TypeError(
+        f"DataLoader worker {worker_id} built a batch that cannot be sent to the main "
+        f"process: {detail}. Convert it to a tensor, array, number or string in "
+        f"__getitem__ or collate_fn, or drop it from the sample.")
+    error.__cause__ = exc
+    return WorkerFailure(error, worker_id, "sending", task.indices if task else None,
+                         task.batch_index if task else None)
 
 
 def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, channel) -> None:
@@ -236,5 +238,8 @@ def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int,
     try:
         payload = packer.pack(batch)
     except Exception as exc:
+        # The shared-memory packer pickles the non-array leaves; name the one that failed.
+        if find_unpicklable(batch) is not None:
+            return _unsendable(exc, describe_unpicklable(batch), worker_id, task)
         return WorkerFailure(exc, worker_id, "packing", task.indices, task.batch_index)
     return StatefulResult(payload, state, fetcher.ended) if spec.ships_state else payload
