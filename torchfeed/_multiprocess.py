@@ -54,6 +54,7 @@ from ._worker import IterableExhausted, ResumeIteration, Task, WorkerSpec, worke
 
 SHUTDOWN_GRACE = 1.0  # seconds all workers share to exit before termination
 WAIT_SLICE = 0.1      # longest single wait, so timeouts and dead threads are noticed
+DYING_SENDER_WAIT = 1.0  # how long a payload that failed to arrive may wait for its sender's death
 
 _live_iterators: weakref.WeakSet = weakref.WeakSet()
 
@@ -73,7 +74,6 @@ class MultiProcessIterator(BaseIterator):
         self._workers = []
         self._index_queues = []
         self._pin_thread = None
-        self._lock = threading.Lock()  # guards the dead-worker check shared with the pin thread
         ctx = loader.multiprocessing_context or torch.multiprocessing
         self._result_queue = ctx.Queue()
         self._result_reader = self._result_queue._reader
@@ -90,6 +90,8 @@ class MultiProcessIterator(BaseIterator):
         try:
             for worker_id in range(self._num_workers):
                 self._start_worker(ctx, spec, worker_id)
+            self._reset(loader, first_iter=True)
+            # Only now: the thread reads the book-keeping that _reset creates.
             if self._pin_memory or (loader.pin_memory and pass_through_requested()):
                 index = torch.accelerator.current_device_index() if self._pin_memory else None
                 self._pin_thread = PinMemoryThread(self._receive, self._pin_memory_device,
@@ -97,7 +99,6 @@ class MultiProcessIterator(BaseIterator):
         except BaseException:
             self._shutdown_workers()
             raise
-        self._reset(loader, first_iter=True)
 
     def _start_worker(self, ctx, spec: WorkerSpec, worker_id: int) -> None:
         index_queue = ctx.Queue()
@@ -199,8 +200,11 @@ class MultiProcessIterator(BaseIterator):
                 payload = pickle.loads(blob)
             except Exception:
                 # torch's transport hands tensors over as file descriptors
-                # fetched from the sender; a sender that died cannot.
-                if not self._workers[worker_id].is_alive():
+                # fetched from the sender; a sender that died, or is dying
+                # (its socket already closed, its exit not yet reaped), cannot.
+                process = self._workers[worker_id]
+                process.join(timeout=DYING_SENDER_WAIT)
+                if not process.is_alive():
                     self._raise_dead_worker(worker_id)
                 raise
             if not isinstance(payload, (WorkerFailure, IterableExhausted)):
