@@ -28,6 +28,12 @@ def _format_indices(indices, limit: int = 16) -> str:
     return f"[{shown}{more}]"
 
 
+def _describe_samples(indices) -> str:
+    if indices is None or all(i is None for i in indices):
+        return "an iterable dataset's batch: its samples have no indices"
+    return f"sample indices {_format_indices(indices)}"
+
+
 class KeyErrorMessage(str):
     """A str whose repr is itself, so a re-raised KeyError prints its message
     readably instead of as one long quoted line (torch does the same)."""
@@ -127,8 +133,7 @@ def describe_dead_worker(worker_id: int, pid: int | None, exitcode: int | None,
     lines = [f"DataLoader worker {worker_id} (pid {pid}) exited unexpectedly: it "
              f"{describe_exit(exitcode)}."]
     if in_flight:
-        shown = "; ".join(f"batch {b} (sample indices {_format_indices(ix)})"
-                          for b, ix in in_flight[:4])
+        shown = "; ".join(f"batch {b} ({_describe_samples(ix)})" for b, ix in in_flight[:4])
         more = f"; and {len(in_flight) - 4} more" if len(in_flight) > 4 else ""
         lines.append(f"It had in flight: {shown}{more}.")
     else:
