@@ -94,7 +94,7 @@ class MultiProcessIterator(BaseIterator):
             # Only now: the thread reads the book-keeping that _reset creates.
             if self._pin_memory or (loader.pin_memory and pass_through_requested()):
                 index = torch.accelerator.current_device_index() if self._pin_memory else None
-                self._pin_thread = PinMemoryThread(self._receive, self._pin_memory_device,
+                self._pin_thread = PinMemoryThread(_weak_receive(self), self._pin_memory_device,
                                                    index, pin=self._pin_memory)
         except BaseException:
             self._shutdown_workers()
@@ -187,6 +187,9 @@ class MultiProcessIterator(BaseIterator):
         """
         sentinels = self._watched_sentinels()
         ready = connection.wait([self._result_reader, *sentinels], timeout)
+        return self._take_ready(ready, sentinels)
+
+    def _take_ready(self, ready, sentinels):
         if not ready:
             return False, None
         if self._result_reader in ready or self._result_reader.poll(0):
@@ -212,7 +215,10 @@ class MultiProcessIterator(BaseIterator):
             return True, (send_idx, payload)
         for sentinel in ready:
             worker_id = sentinels[sentinel]
-            self._raise_dead_worker(worker_id)
+            # The pin thread took its list of sentinels before it waited; a
+            # worker retired meanwhile (its iterable ended) exits on purpose.
+            if self._workers_status[worker_id] and not self._shutdown:
+                self._raise_dead_worker(worker_id)
         return False, None
 
     def _raise_dead_worker(self, worker_id: int) -> None:
@@ -336,6 +342,35 @@ class MultiProcessIterator(BaseIterator):
             self._shutdown_workers()
         except Exception:
             pass  # interpreter teardown: modules may already be gone
+
+
+class _IteratorGone(Exception):
+    pass
+
+
+def _weak_receive(iterator):
+    """``iterator._receive`` for the pin thread, without keeping the iterator
+    alive: an iterator dropped mid-epoch (``break``, an exception the caller
+    swallowed) must still be collected, which is what shuts its workers down."""
+    ref = weakref.ref(iterator)
+
+    def iterator():
+        it = ref()
+        if it is None:
+            raise _IteratorGone("the iterator was garbage-collected")
+        return it
+
+    def receive(timeout: float):
+        # Hold no reference while blocked: the thread waits almost all the
+        # time, and a reference held then would keep an unreachable
+        # iterator (and its workers) from ever being collected.
+        it = iterator()
+        reader, sentinels = it._result_reader, it._watched_sentinels()
+        del it
+        ready = connection.wait([reader, *sentinels], timeout)
+        return iterator()._take_ready(ready, sentinels)
+
+    return receive
 
 
 def _close_queue(q) -> None:
