@@ -88,7 +88,13 @@ class WorkerFailure:
             # Types whose constructor wants other arguments cannot be rebuilt
             # from a message; torch falls back to RuntimeError too.
             raise RuntimeError(msg) from None
-        raise exc
+        try:
+            raise exc
+        finally:
+            # A local holding the exception whose traceback holds this frame
+            # is a reference cycle: it would keep the iterator (and its
+            # workers) alive until the next garbage collection.
+            del exc
 
 
 _SIGNAL_HINTS = {

@@ -11,6 +11,7 @@ that yields more batches than its ``len()`` promised gets torch's warning.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 from torch.utils.data import IterableDataset
@@ -42,7 +43,10 @@ def pin_memory_plan(loader) -> tuple[bool, str | None]:
 
 class BaseIterator:
     def __init__(self, loader) -> None:
-        self._loader = loader
+        # Weak: a loader with persistent workers holds its iterator, and a
+        # cycle would keep the workers alive after ``del loader`` until the
+        # next garbage collection.
+        self._loader = weakref.proxy(loader)
         self._dataset = loader.dataset
         self._is_iterable = isinstance(loader.dataset, IterableDataset)
         self._auto_collation = loader._auto_collation
