@@ -28,7 +28,7 @@ def _format_indices(indices, limit: int = 16) -> str:
     return f"[{shown}{more}]"
 
 
-def _describe_samples(indices) -> str:
+def describe_samples(indices) -> str:
     if indices is None or all(i is None for i in indices):
         return "an iterable dataset's batch: its samples have no indices"
     return f"sample indices {_format_indices(indices)}"
@@ -139,7 +139,7 @@ def describe_dead_worker(worker_id: int, pid: int | None, exitcode: int | None,
     lines = [f"DataLoader worker {worker_id} (pid {pid}) exited unexpectedly: it "
              f"{describe_exit(exitcode)}."]
     if in_flight:
-        shown = "; ".join(f"batch {b} ({_describe_samples(ix)})" for b, ix in in_flight[:4])
+        shown = "; ".join(f"batch {b} ({describe_samples(ix)})" for b, ix in in_flight[:4])
         more = f"; and {len(in_flight) - 4} more" if len(in_flight) > 4 else ""
         lines.append(f"It had in flight: {shown}{more}.")
     else:

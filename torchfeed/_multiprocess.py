@@ -45,10 +45,11 @@ from multiprocessing import connection
 
 import torch
 
-from ._errors import WorkerFailure, describe_dead_worker
+from ._errors import WorkerFailure, describe_dead_worker, describe_samples
 from ._iterator_base import BaseIterator
 from ._pickling import describe_unpicklable
 from ._pin_memory import PinMemoryThread, pass_through_requested
+from ._stack_dump import StackPipe, collect_dumps, describe_timeout
 from ._transport import create_channel
 from ._worker import IterableExhausted, ResumeIteration, Task, WorkerSpec, worker_loop
 
@@ -73,6 +74,7 @@ class MultiProcessIterator(BaseIterator):
         self._shutdown = False
         self._workers = []
         self._index_queues = []
+        self._stack_pipes = []  # per worker: where it dumps its stacks on timeout
         self._pin_thread = None
         ctx = loader.multiprocessing_context or torch.multiprocessing
         self._result_queue = ctx.Queue()
@@ -103,13 +105,16 @@ class MultiProcessIterator(BaseIterator):
     def _start_worker(self, ctx, spec: WorkerSpec, worker_id: int) -> None:
         index_queue = ctx.Queue()
         index_queue.cancel_join_thread()
+        stack_pipe = StackPipe(ctx)
         process = ctx.Process(target=worker_loop, name=f"torchfeed-worker-{worker_id}",
                               args=(spec, worker_id, index_queue, self._result_queue,
-                                    self._channel), daemon=True)
+                                    self._channel),
+                              kwargs={"stack_pipe": stack_pipe.writer}, daemon=True)
         try:
             process.start()
         except (TypeError, AttributeError, pickle.PicklingError) as exc:
             index_queue.close()
+            stack_pipe.close()
             method = ctx.get_start_method() if hasattr(ctx, "get_start_method") else "?"
             parts = {"dataset": spec.dataset, "collate_fn": spec.collate_fn,
                      "worker_init_fn": spec.worker_init_fn}
@@ -122,7 +127,13 @@ class MultiProcessIterator(BaseIterator):
                 f"method, which pickles the dataset, collate_fn and worker_init_fn: {detail}. "
                 "Define them at module level (no lambdas or local functions), or use "
                 "multiprocessing_context='fork' where available.") from exc
+        except BaseException:
+            index_queue.close()
+            stack_pipe.close()
+            raise
+        stack_pipe.started()
         self._index_queues.append(index_queue)
+        self._stack_pipes.append(stack_pipe)
         self._workers.append(process)
 
     # -- epochs ---------------------------------------------------------------
@@ -238,7 +249,26 @@ class MultiProcessIterator(BaseIterator):
             if ok:
                 return item
             if deadline is not None and time.monotonic() >= deadline:
-                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+                raise RuntimeError(self._describe_timeout())
+
+    def _describe_timeout(self) -> str:
+        """torch's timeout message, plus what was awaited and the stacks of the
+        workers that owe it."""
+        info = self._task_info.get(self._rcvd_idx) if self._in_order else None
+        if info is not None:
+            owed = {info[0]: info}
+        else:  # out of order, or between epochs: any worker with work may be the one
+            owed = {}
+            for send_idx, (worker_id, batch_index, indices) in sorted(self._task_info.items()):
+                if send_idx not in self._arrived:
+                    owed.setdefault(worker_id, (worker_id, batch_index, indices))
+            if not owed:
+                owed = {w: (w, None, None) for w in range(self._num_workers)}
+        owed = {w: t for w, t in owed.items() if self._workers[w].is_alive()}
+        dumps = collect_dumps({w: (self._stack_pipes[w], self._workers[w].pid) for w in owed})
+        awaited = [(w, self._workers[w].pid, b, describe_samples(ix) if b is not None else None)
+                   for w, (_, b, ix) in sorted(owed.items())]
+        return describe_timeout(self._timeout, awaited, dumps)
 
     def _wait_one(self, timeout: float):
         if self._pin_thread is None:
@@ -333,6 +363,8 @@ class MultiProcessIterator(BaseIterator):
         finally:
             for index_queue in self._index_queues:
                 _close_queue(index_queue)
+            for stack_pipe in self._stack_pipes:
+                stack_pipe.close()
             _close_queue(self._result_queue)
             self._unpacker.close()
             _live_iterators.discard(self)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.utils.data._utils.worker as _torch_worker
 
-from . import _seeding
+from . import _seeding, _stack_dump
 from ._errors import WorkerFailure
 from ._fetch import create_fetcher
 from ._pickling import describe_unpicklable
@@ -112,11 +112,13 @@ def _serialize(send_idx: int, payload, worker_id: int, task: Task | None):
         return send_idx, worker_id, bytes(ForkingPickler.dumps(failure))
 
 
-def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, channel) -> None:
+def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, channel,
+                stack_pipe=None) -> None:
     # Ctrl-C reaches the whole process group; the main process decides when
     # workers stop, so a worker must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.enable()  # a segfault prints the worker's Python stack to stderr
+    _stack_dump.install(stack_pipe)  # the main asks for our stacks when it times out
     parent_pid = os.getppid()
     threading.Thread(target=_watch_main_process, args=(spec.main_pid, parent_pid),
                      name="torchfeed-watchdog", daemon=True).start()
