@@ -125,6 +125,10 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     # Nobody else reads the result queue in a worker; holding its read end open
     # would keep a dead main process's pipe alive.
     result_queue._reader.close()
+    # Then a write that fails with EPIPE means the main process is gone: the
+    # watchdog ends us in a moment, and the feeder thread's traceback would
+    # only bury the main process's own error (or its clean Ctrl-C) in noise.
+    result_queue._ignore_epipe = True
 
     torch.set_num_threads(1)
     seed = _seeding.seed_worker(spec.base_seed, worker_id)
