@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch.utils.data
 
+from ._errors import nested_worker_error
 from ._multiprocess import MultiProcessIterator
 from ._options import resolve_transport, validate_options
 from ._single_process import SingleProcessIterator
@@ -63,5 +64,8 @@ class DataLoader(torch.utils.data.DataLoader):
     def _get_iterator(self):
         if self.num_workers == 0:
             return SingleProcessIterator(self)
+        error = nested_worker_error(self.num_workers)
+        if error is not None:
+            raise error
         self.check_worker_number_rationality()
         return MultiProcessIterator(self)
