@@ -176,10 +176,15 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             result_queue.put(_serialize(task.send_idx, payload, worker_id, task))
             del payload, task
     finally:
-        # Whatever is still buffered is for an iterator that is going away;
-        # waiting to flush it could block forever on a full pipe.
-        result_queue.cancel_join_thread()
+        # Let the feeder thread finish writing and release the queue's write
+        # lock, shared by all workers, before this process exits.  A worker
+        # retired mid-epoch (its iterable ended) that exited while its feeder
+        # still held the lock would leave every other worker unable to send,
+        # and the main process waiting forever.  The flush cannot hang for
+        # good: if the main process is gone the watchdog ends us, and if it is
+        # shutting down it terminates us after its grace period.
         result_queue.close()
+        result_queue.join_thread()
 
 
 def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int, packer):
