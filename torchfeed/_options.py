@@ -33,3 +33,22 @@ def validate_options(*, seed_per_batch, snapshot_every_n_steps) -> None:
             "snapshot_every_n_steps must be a positive int or None, but got "
             f"{snapshot_every_n_steps!r} (torchfeed ignores it: state_dict() is exact at "
             "every step)")
+
+
+def validate_max_worker_restarts(max_worker_restarts, dataset) -> None:
+    """``max_worker_restarts`` (see ``_restart.py``): a non-negative int, and
+    only for map-style datasets."""
+    from torch.utils.data import IterableDataset
+
+    if isinstance(max_worker_restarts, bool) or not isinstance(max_worker_restarts, int):
+        raise TypeError(f"max_worker_restarts must be a non-negative int, but got "
+                        f"{max_worker_restarts!r}")
+    if max_worker_restarts < 0:
+        raise ValueError(f"max_worker_restarts must be a non-negative int, but got "
+                         f"{max_worker_restarts!r}. Use 0 (the default) for torch's behaviour: "
+                         "a dead worker is an error.")
+    if max_worker_restarts and isinstance(dataset, IterableDataset):
+        raise ValueError(
+            f"max_worker_restarts={max_worker_restarts} cannot be used with an IterableDataset: "
+            "a restarted worker would start its stream over and deliver batches twice. Use "
+            "max_worker_restarts=0, or a map-style dataset.")
