@@ -26,16 +26,9 @@ import pytest
 import torch
 
 import torchfeed
+from faults_helpers import ALL_CONFIGS, SHM_DIR, shm_entries
 
 GRACE = 3.0  # seconds a leak may take to clear after the test body returns
-SHM_DIR = "/dev/shm"
-
-
-def shm_entries() -> set[str]:
-    try:
-        return set(os.listdir(SHM_DIR))
-    except FileNotFoundError:
-        return set()
 
 
 def _foreign_shm(name: str, ours: set[int]) -> bool:
@@ -158,27 +151,6 @@ def leaks():
     before = Snapshot.take()
     yield before
     assert_no_leaks(before)
-
-
-@dataclass(frozen=True)
-class LoaderConfig:
-    kind: str          # "map" or "iterable"
-    persistent: bool
-    pin_thread: bool
-
-    @property
-    def id(self) -> str:
-        return (f"{self.kind}-{'persistent' if self.persistent else 'fresh'}"
-                f"{'-pin' if self.pin_thread else ''}")
-
-    def kwargs(self) -> dict:
-        return {"persistent_workers": self.persistent, "pin_memory": self.pin_thread}
-
-
-ALL_CONFIGS = [LoaderConfig(kind, persistent, pin)
-               for kind in ("map", "iterable")
-               for persistent in (False, True)
-               for pin in (False, True)]
 
 
 @pytest.fixture(params=ALL_CONFIGS, ids=lambda c: c.id)

@@ -175,3 +175,29 @@ def read_marker(path):
     with open(path) as f:
         when, pid, worker_id = f.read().split()
     return float(when), int(pid), int(worker_id)
+
+
+class BigSamples(Dataset):
+    """Samples of ``size`` bytes (pickled inline, not shared like tensors).
+    Fetching sample ``at`` arms a timer that SIGKILLs the worker ``after``
+    seconds later: by then its feeder thread is part-way through writing the
+    batch into a pipe the main process is not reading."""
+
+    def __init__(self, n=16, size=8 << 20, at=None, after=0.3, marker=None):
+        self.n, self.size, self.at, self.after, self.marker = n, size, at, after, marker
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.at:
+            def kill():
+                with open(self.marker, "w") as f:
+                    f.write(f"{time.time()!r} {os.getpid()} {get_worker_info().id}")
+                os.kill(os.getpid(), signal.SIGKILL)
+            threading.Timer(self.after, kill).start()
+        return bytes(self.size)
+
+
+def collate_list(samples):
+    return samples

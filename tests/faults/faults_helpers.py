@@ -1,11 +1,49 @@
-"""Helpers shared by the fault tests: run a loader until it fails, and measure when."""
+"""Helpers shared by the fault tests: the configuration matrix, the /dev/shm
+listing, and running a loader until it fails (and when)."""
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import dataclass
 
 import pytest
 
 SURFACE_WITHIN = 5.0  # the issue's bound between a fault and its error
+SHM_DIR = "/dev/shm"
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return set()
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    kind: str          # "map" or "iterable"
+    persistent: bool
+    pin_thread: bool
+
+    @property
+    def id(self) -> str:
+        return (f"{self.kind}-{'persistent' if self.persistent else 'fresh'}"
+                f"{'-pin' if self.pin_thread else ''}")
+
+    def kwargs(self) -> dict:
+        return {"persistent_workers": self.persistent, "pin_memory": self.pin_thread}
+
+
+ALL_CONFIGS = [LoaderConfig(kind, persistent, pin)
+               for kind in ("map", "iterable")
+               for persistent in (False, True)
+               for pin in (False, True)]
+MAP_CONFIGS = [c for c in ALL_CONFIGS if c.kind == "map"]  # for what only map-style supports
+# Four configurations in which every pair of values of any two axes occurs:
+# for the slow cases (a 2 s timeout, a 1 s shutdown grace) where all eight
+# would cost more than they find.
+PAIRWISE_CONFIGS = [LoaderConfig("map", False, False), LoaderConfig("map", True, True),
+                    LoaderConfig("iterable", False, True), LoaderConfig("iterable", True, False)]
 
 
 class Failure:
@@ -16,6 +54,7 @@ class Failure:
     def __init__(self, exc: BaseException, raised_at: float, batches: int):
         self.type = type(exc)
         self.message = str(exc)
+        self.notes = list(getattr(exc, "__notes__", ()))
         self.raised_at = raised_at
         self.batches = batches
 

@@ -1,6 +1,6 @@
 """A training script's main process, for the tests that kill or interrupt it.
 
-    python main_process.py KIND PERSISTENT PIN ACTION
+    python faults_main_process.py KIND PERSISTENT PIN ACTION
 
 ``run`` iterates a slow dataset (so workers are busy) epoch after epoch, and
 once the workers are busy mid-epoch reports their pids (``WORKERS <pid> <pid>``

@@ -13,7 +13,7 @@ SIGKILL and SIGTERM (no handler) end the main process with no clean-up of its
 own, so a fork of this test process is as good a "training script" as a fresh
 interpreter, and costs milliseconds instead of seconds of importing torch.
 Ctrl-C does run the interpreter's exit path (atexit hooks, multiprocessing's
-clean-up of daemonic children), so it runs a real script, ``main_process.py``,
+clean-up of daemonic children), so it runs a real script, ``faults_main_process.py``,
 over fewer configurations.
 """
 import os
@@ -25,11 +25,11 @@ import time
 import psutil
 import pytest
 
-import main_process
-from conftest import shm_entries
+import faults_main_process
+from faults_helpers import shm_entries
 from faults_helpers import SURFACE_WITHIN
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "main_process.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults_main_process.py")
 
 # (kind, persistent, pin thread): a diagonal of the matrix
 CONFIGS = [("map", False, False), ("iterable", True, True), ("map", True, True),
@@ -80,7 +80,7 @@ class _Main:
 
 
 class Script(_Main):
-    """``main_process.py`` in a fresh interpreter, in its own session."""
+    """``faults_main_process.py`` in a fresh interpreter, in its own session."""
 
     def __init__(self, config, action):
         kind, persistent, pin = config
@@ -111,7 +111,7 @@ class Script(_Main):
 
 
 class Forked(_Main):
-    """A fork of this test process running ``main_process.run``, in its own
+    """A fork of this test process running ``faults_main_process.run``, in its own
     session, its stderr (and its workers') going to a file."""
 
     def __init__(self, config, action, stderr_path):
@@ -134,7 +134,7 @@ class Forked(_Main):
                 def report(pids):
                     os.write(w, (" ".join(map(str, pids)) + "\n").encode())
 
-                main_process.run(kind, persistent, pin, action, report)
+                faults_main_process.run(kind, persistent, pin, action, report)
                 code = 0
             except BaseException:
                 import traceback
