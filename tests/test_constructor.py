@@ -17,7 +17,8 @@ from sample_datasets import (EveryOtherSampler, LyingLengthIterable, RangeDatase
                              ShardedIterable, UnevenBatchSampler)
 
 TorchLoader = torch.utils.data.DataLoader
-TORCHFEED_ONLY = {"transport", "seed_per_batch", "snapshot_every_n_steps", "log_every"}
+TORCHFEED_ONLY = {"transport", "seed_per_batch", "snapshot_every_n_steps", "log_every",
+                  "max_worker_restarts"}
 
 
 # -- signature ---------------------------------------------------------------------------

@@ -174,7 +174,10 @@ def test_timeout_message_is_torchs(timeout):
                        timeout=timeout)
     elapsed = time.monotonic() - start
     assert type(ours) is RuntimeError
-    assert str(ours) == f"DataLoader timed out after {timeout} seconds"
+    # torch's message, then what was awaited and where the stuck worker is
+    assert str(ours).startswith(f"DataLoader timed out after {timeout} seconds waiting for "
+                                "batch 2 (sample indices [2]) from worker 0")
+    assert "Python stacks of worker 0" in str(ours) and "in __getitem__" in str(ours)
     assert len(got) == 2
     assert timeout <= elapsed < timeout + 3
 

@@ -13,10 +13,10 @@ exit code, what it had in flight, and what usually causes that.
 """
 from __future__ import annotations
 
+import operator
 import pickle
 import signal
 import traceback
-
 
 
 def _index_list(indices):
@@ -39,6 +39,13 @@ def _format_indices(indices, limit: int = 16) -> str:
     shown = ", ".join(repr(i) for i in indices[:limit])
     more = f", ... ({len(indices)} in all)" if len(indices) > limit else ""
     return f"[{shown}{more}]"
+
+
+def describe_samples(indices) -> str:
+    indices = _index_list(indices)
+    if indices is None or all(i is None for i in indices):
+        return "an iterable dataset's batch: its samples have no indices"
+    return f"sample indices {_format_indices(indices)}"
 
 
 class KeyErrorMessage(str):
@@ -98,10 +105,67 @@ class WorkerFailure:
         try:
             raise exc
         finally:
-            # This frame sits in exc's traceback; holding exc here would make a
-            # cycle that keeps the iterator (and its workers) alive until the
-            # garbage collector runs, long after the caller dropped it.
+            # A local holding the exception whose traceback holds this frame
+            # is a reference cycle: it would keep the iterator (and its
+            # workers) alive until the next garbage collection.
             del exc
+
+
+def _as_int(index):
+    try:
+        return operator.index(index)
+    except TypeError:
+        return None
+
+
+def explain_lookup_error(exc: LookupError, dataset, index, batched: bool = False) -> None:
+    """Add a note naming the index and ``len(dataset)`` to an IndexError or
+    KeyError raised by the dataset: the two usual causes are a sampler that
+    yields indices out of range and a ``__len__`` that promises more samples
+    than ``__getitem__`` serves.  The exception's type and message are kept."""
+    if not hasattr(exc, "add_note"):  # Python < 3.11
+        return
+    try:
+        n = len(dataset)
+    except Exception:
+        return
+    if batched:
+        bad = [i for i in map(_as_int, index) if i is not None and not -n <= i < n]
+        if bad:
+            exc.add_note(f"The sampler asked for index {bad[0]}, but len(dataset) is {n}: "
+                         f"out of range ({len(bad)} such in this batch). Check the sampler "
+                         f"(or batch_sampler): it must yield indices in [0, {n}).")
+        return
+    i = _as_int(index)
+    if i is None:
+        return
+    if not -n <= i < n:
+        exc.add_note(f"The sampler asked for index {i}, but len(dataset) is {n}: out of "
+                     f"range. Check the sampler (or batch_sampler): it must yield indices in "
+                     f"[0, {n}).")
+    else:
+        exc.add_note(f"dataset[{i}] raised {type(exc).__name__}, but len(dataset) is {n}, so "
+                     f"index {i} should exist. Does __len__ promise more samples than "
+                     f"__getitem__ can serve?")
+
+
+def nested_worker_error(num_workers: int) -> RuntimeError | None:
+    """A loader with workers, iterated in a process that cannot have children
+    (a DataLoader worker is daemonic): torch fails with "daemonic processes are
+    not allowed to have children"; say what to do instead."""
+    import multiprocessing
+    from torch.utils.data import get_worker_info
+
+    if num_workers == 0 or not multiprocessing.current_process().daemon:
+        return None
+    info = get_worker_info()
+    where = (f"DataLoader worker process {info.id} of another loader" if info is not None
+             else "a daemonic process")
+    return RuntimeError(
+        f"This DataLoader has num_workers={num_workers}, but it is iterated inside {where}, "
+        "which cannot start processes of its own (daemonic processes are not allowed to have "
+        "children). Give the inner loader num_workers=0: it then loads in this worker, which "
+        "already runs in parallel with the others.")
 
 
 _SIGNAL_HINTS = {
@@ -146,8 +210,7 @@ def describe_dead_worker(worker_id: int, pid: int | None, exitcode: int | None,
     lines = [f"DataLoader worker {worker_id} (pid {pid}) exited unexpectedly: it "
              f"{describe_exit(exitcode)}."]
     if in_flight:
-        shown = "; ".join(f"batch {b} (sample indices {_format_indices(ix)})"
-                          for b, ix in in_flight[:4])
+        shown = "; ".join(f"batch {b} ({describe_samples(ix)})" for b, ix in in_flight[:4])
         more = f"; and {len(in_flight) - 4} more" if len(in_flight) > 4 else ""
         lines.append(f"It had in flight: {shown}{more}.")
     else:

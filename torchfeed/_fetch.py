@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ._errors import explain_lookup_error
+
 
 class MapFetcher:
     def __init__(self, dataset, auto_collation: bool, collate_fn: Callable):
@@ -28,12 +30,23 @@ class MapFetcher:
 
     def fetch(self, indices) -> Any:
         if not self.auto_collation:
-            return self.collate_fn(self.dataset[indices])
+            return self.collate_fn(self._get(indices))
         if self._getitems is not None:
-            samples = self._getitems(indices)
+            try:
+                samples = self._getitems(indices)
+            except LookupError as exc:
+                explain_lookup_error(exc, self.dataset, indices, batched=True)
+                raise
         else:
-            samples = [self.dataset[i] for i in indices]
+            samples = [self._get(i) for i in indices]
         return self.collate_fn(samples)
+
+    def _get(self, index):
+        try:
+            return self.dataset[index]
+        except LookupError as exc:  # IndexError, KeyError: name the index and len(dataset)
+            explain_lookup_error(exc, self.dataset, index)
+            raise
 
 
 class IterableFetcher:

@@ -45,6 +45,20 @@ def pin_memory_plan(loader) -> tuple[bool, str | None]:
     return pin, device
 
 
+def warn_empty_iterable(dataset, num_workers: int) -> None:
+    """torch silently yields nothing; an empty epoch is far more often a bug
+    (every worker skipped its share, a filter dropped everything) than intended,
+    but it is legal, so it warns rather than raises."""
+    where = (f"from any of its {num_workers} workers" if num_workers > 0
+             else "in the main process (num_workers=0)")
+    warnings.warn(
+        f"IterableDataset {type(dataset).__name__} yielded no batches this epoch {where}. "
+        "If each worker should read a share of the data, check how __iter__ splits it with "
+        "torch.utils.data.get_worker_info(); with drop_last=True, an epoch shorter than "
+        "batch_size yields nothing too. If the dataset is meant to be empty, ignore this "
+        "warning.", stacklevel=3)
+
+
 class BaseIterator:
     def __init__(self, loader) -> None:
         # No reference to the loader is kept: with persistent workers the
@@ -96,6 +110,8 @@ class BaseIterator:
                 self._next_data()
             data = self._next_data()
         except StopIteration:
+            if self._is_iterable and self._num_yielded == 0:
+                warn_empty_iterable(self._dataset, self._num_workers)
             self._stream.finish()
             self._stats.finish(t0)
             raise

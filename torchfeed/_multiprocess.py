@@ -34,6 +34,8 @@ multiprocessing's own.
 from __future__ import annotations
 
 import atexit
+import collections
+import dataclasses
 import itertools
 import os
 import pickle
@@ -45,16 +47,20 @@ from multiprocessing import connection
 
 import torch
 
-from ._errors import WorkerFailure, describe_dead_worker
+from ._errors import WorkerFailure, describe_dead_worker, describe_samples
 from ._iterator_base import BaseIterator
 from ._pickling import describe_unpicklable
 from ._pin_memory import PinMemoryThread, pass_through_requested
 from ._state import StatefulUnpacker
+from ._pipe_reader import HalfMessage, Stopped, read_message
+from ._restart import RestartBudget, WorkerDied, handle_worker_death
+from ._stack_dump import StackPipe, collect_dumps, describe_timeout
 from ._transport import create_channel
 from ._worker import IterableExhausted, ResumeIteration, Task, WorkerSpec, worker_loop
 
 SHUTDOWN_GRACE = 1.0  # seconds all workers share to exit before termination
 WAIT_SLICE = 0.1      # longest single wait, so timeouts and dead threads are noticed
+DYING_SENDER_WAIT = 1.0  # how long a payload that failed to arrive may wait for its sender's death
 
 _live_iterators: weakref.WeakSet = weakref.WeakSet()
 
@@ -73,9 +79,12 @@ class MultiProcessIterator(BaseIterator):
         self._shutdown = False
         self._workers = []
         self._index_queues = []
+        self._stack_pipes = []  # per worker: where it dumps its stacks on timeout
         self._pin_thread = None
-        self._lock = threading.Lock()  # guards the dead-worker check shared with the pin thread
-        ctx = loader.multiprocessing_context or torch.multiprocessing
+        self._restarts = RestartBudget(getattr(loader, "max_worker_restarts", 0))
+        self._pending = collections.deque()  # results read while restarting a worker
+        self._acks_pending = set()  # workers yet to acknowledge ResumeIteration
+        ctx = self._ctx = loader.multiprocessing_context or torch.multiprocessing
         self._result_queue = ctx.Queue()
         self._result_reader = self._result_queue._reader
         self._channel = create_channel(self._num_workers, ctx, loader)
@@ -90,6 +99,7 @@ class MultiProcessIterator(BaseIterator):
             epoch=self._epoch, seed_per_batch=getattr(loader, "seed_per_batch", False),
             main_pid=os.getpid(), resume_states=self._stream.load_states,
             ships_state=self._stream.ships_state)
+        self._spec = spec
         _live_iterators.add(self)
         try:
             for worker_id in range(self._num_workers):
@@ -98,23 +108,53 @@ class MultiProcessIterator(BaseIterator):
             # book-keeping: start it only once _reset has set that up.
             self._reset(loader, first_iter=True)
             if self._pin_memory or (loader.pin_memory and pass_through_requested()):
-                index = torch.accelerator.current_device_index() if self._pin_memory else None
-                self._pin_thread = PinMemoryThread(self._receive, self._pin_memory_device,
-                                                   index, pin=self._pin_memory)
+                self._start_pin_thread()
         except BaseException:
             self._shutdown_workers()
             raise
 
+    def _start_pin_thread(self) -> None:
+        index = torch.accelerator.current_device_index() if self._pin_memory else None
+        self._pin_thread = PinMemoryThread(_weak_receive(self), self._pin_memory_device,
+                                           index, pin=self._pin_memory)
+
     def _start_worker(self, ctx, spec: WorkerSpec, worker_id: int) -> None:
+        index_queue, stack_pipe, process = self._launch(ctx, spec, worker_id)
+        self._index_queues.append(index_queue)
+        self._stack_pipes.append(stack_pipe)
+        self._workers.append(process)
+
+    def _replace_worker(self, worker_id: int, owed):
+        """Start a new process as worker ``worker_id`` (see ``_restart.py``) and
+        send it the tasks ``owed``: ``[(send_idx, (worker_id, batch_index, indices))]``."""
+        spec = dataclasses.replace(self._spec, epoch=self._epoch)
+        index_queue, stack_pipe, process = self._launch(self._ctx, spec, worker_id)
+        _close_queue(self._index_queues[worker_id])
+        self._stack_pipes[worker_id].close()
+        self._index_queues[worker_id] = index_queue
+        self._stack_pipes[worker_id] = stack_pipe
+        self._workers[worker_id] = process
+        if worker_id in self._acks_pending:
+            index_queue.put(ResumeIteration(self._epoch))
+        for send_idx, (_, batch_index, indices) in owed:
+            index_queue.put(Task(send_idx, batch_index, indices))
+        if self._pin_thread is not None:
+            self._start_pin_thread()
+        return process
+
+    def _launch(self, ctx, spec: WorkerSpec, worker_id: int):
         index_queue = ctx.Queue()
         index_queue.cancel_join_thread()
+        stack_pipe = StackPipe(ctx)
         process = ctx.Process(target=worker_loop, name=f"torchfeed-worker-{worker_id}",
                               args=(spec, worker_id, index_queue, self._result_queue,
-                                    self._channel), daemon=True)
+                                    self._channel),
+                              kwargs={"stack_pipe": stack_pipe.writer}, daemon=True)
         try:
             process.start()
         except (TypeError, AttributeError, pickle.PicklingError) as exc:
             index_queue.close()
+            stack_pipe.close()
             method = ctx.get_start_method() if hasattr(ctx, "get_start_method") else "?"
             parts = {"dataset": spec.dataset, "collate_fn": spec.collate_fn,
                      "worker_init_fn": spec.worker_init_fn}
@@ -127,8 +167,12 @@ class MultiProcessIterator(BaseIterator):
                 f"method, which pickles the dataset, collate_fn and worker_init_fn: {detail}. "
                 "Define them at module level (no lambdas or local functions), or use "
                 "multiprocessing_context='fork' where available.") from exc
-        self._index_queues.append(index_queue)
-        self._workers.append(process)
+        except BaseException:
+            index_queue.close()
+            stack_pipe.close()
+            raise
+        stack_pipe.started()
+        return index_queue, stack_pipe, process
 
     # -- epochs ---------------------------------------------------------------
     def _reset(self, loader, first_iter: bool = False) -> None:
@@ -144,15 +188,15 @@ class MultiProcessIterator(BaseIterator):
         first = self._stream.first_worker  # a resumed IterableDataset goes on round-robin
         self._worker_cycle = itertools.cycle([*range(first, self._num_workers), *range(first)])
         if not first_iter:
+            self._acks_pending = set(range(self._num_workers))
             for index_queue in self._index_queues:
                 index_queue.put(ResumeIteration(self._epoch))
-            pending = self._num_workers
-            while pending > 0:
+            while self._acks_pending:
                 # Results of the previous epoch that were still in flight
                 # arrive before each worker's acknowledgement; drop them.
-                marker, _ = self._get_data()
+                marker, worker_id = self._get_data()
                 if isinstance(marker, ResumeIteration):
-                    pending -= 1
+                    self._acks_pending.discard(worker_id)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
@@ -191,45 +235,70 @@ class MultiProcessIterator(BaseIterator):
 
         Raises RuntimeError as soon as a worker that owes us results is dead.
         """
+        if self._pending:
+            return True, self._pending.popleft()
         sentinels = self._watched_sentinels()
         ready = connection.wait([self._result_reader, *sentinels], timeout)
+        return self._take_ready(ready, sentinels)
+
+    def _take_ready(self, ready, sentinels):
+        """Raises WorkerDied for a worker that owes us results and is dead; the
+        main thread decides whether to restart it (``_restart.py``) or raise."""
         if not ready:
             return False, None
         if self._result_reader in ready or self._result_reader.poll(0):
             try:
-                send_idx, worker_id, blob, seconds = self._result_queue.get(block=False)
-            except queue.Empty:
+                item = self._read_result(sentinels)
+            except Stopped:
                 return False, None
-            if blob is None:  # an acknowledgement, e.g. ResumeIteration
-                return True, (send_idx, None)
-            try:
-                payload = pickle.loads(blob)
-            except Exception as exc:
-                # torch's transport hands tensors over as file descriptors
-                # fetched from the sender; a sender that died cannot.  Its
-                # sockets close before it can be reaped, so give a dying
-                # sender a moment to be seen as dead.
-                process = self._workers[worker_id]
-                if isinstance(exc, (OSError, EOFError)):
-                    process.join(timeout=1.0)
-                if not process.is_alive():
-                    self._raise_dead_worker(worker_id)
-                raise
-            if not isinstance(payload, (WorkerFailure, IterableExhausted)):
-                payload = self._unpacker.unpack(payload)
-                self._stats.on_result(worker_id, seconds)
-            return True, (send_idx, payload)
+            except HalfMessage as exc:
+                raise WorkerDied(exc.worker_id, half_message=True) from None
+            return True, item
         for sentinel in ready:
             worker_id = sentinels[sentinel]
-            self._raise_dead_worker(worker_id)
+            # The pin thread took its list of sentinels before it waited; a
+            # worker retired meanwhile (its iterable ended) exits on purpose.
+            if self._workers_status[worker_id] and not self._shutdown:
+                raise WorkerDied(worker_id)
         return False, None
 
-    def _raise_dead_worker(self, worker_id: int) -> None:
+    def _read_result(self, sentinels=None, dead: int | None = None):
+        """(send_idx, payload) of the next message, which has begun to arrive;
+        for an acknowledgement (ResumeIteration), (marker, worker_id).  None for
+        a message from worker ``dead`` that cannot be rebuilt."""
+        raw = read_message(self._result_reader, sentinels or {}, lambda: self._shutdown, dead)
+        sem = getattr(self._result_queue, "_sem", None)
+        if sem is not None:
+            sem.release()  # what Queue.get does: the queue's size bound
+        send_idx, worker_id, blob, seconds = pickle.loads(raw)
+        if blob is None:
+            return send_idx, worker_id
+        try:
+            payload = pickle.loads(blob)
+        except Exception:
+            # torch's transport hands tensors over as file descriptors
+            # fetched from the sender; a sender that died, or is dying
+            # (its socket already closed, its exit not yet reaped), cannot.
+            if worker_id == dead:
+                return None  # its task will be sent again
+            process = self._workers[worker_id]
+            process.join(timeout=DYING_SENDER_WAIT)
+            if not process.is_alive():
+                raise WorkerDied(worker_id) from None
+            raise
+        if not isinstance(payload, (WorkerFailure, IterableExhausted)):
+            payload = self._unpacker.unpack(payload)
+            self._stats.on_result(worker_id, seconds)
+        return send_idx, payload
+
+    def _raise_dead_worker(self, worker_id: int, note: str = "") -> None:
         process = self._workers[worker_id]
         process.join(timeout=0.5)  # reap it, so exitcode is known
         in_flight = [(batch, idx) for send, (wid, batch, idx) in sorted(self._task_info.items())
                      if wid == worker_id and send not in self._arrived]
         message = describe_dead_worker(worker_id, process.pid, process.exitcode, in_flight)
+        if note:
+            message += "\n" + note
         self._shutdown_workers()
         raise RuntimeError(message)
 
@@ -241,9 +310,41 @@ class MultiProcessIterator(BaseIterator):
             if ok:
                 return item
             if deadline is not None and time.monotonic() >= deadline:
-                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+                raise RuntimeError(self._describe_timeout())
+
+    def _describe_timeout(self) -> str:
+        """torch's timeout message, plus what was awaited and the stacks of the
+        workers that owe it."""
+        info = self._task_info.get(self._rcvd_idx) if self._in_order else None
+        if info is not None:
+            owed = {info[0]: info}
+        else:  # out of order, or between epochs: any worker with work may be the one
+            owed = {}
+            for send_idx, (worker_id, batch_index, indices) in sorted(self._task_info.items()):
+                if send_idx not in self._arrived:
+                    owed.setdefault(worker_id, (worker_id, batch_index, indices))
+            if not owed:
+                owed = {w: (w, None, None) for w in range(self._num_workers)}
+        owed = {w: t for w, t in owed.items() if self._workers[w].is_alive()}
+        dumps = collect_dumps({w: (self._stack_pipes[w], self._workers[w].pid) for w in owed})
+        awaited = [(w, self._workers[w].pid, b, describe_samples(ix) if b is not None else None)
+                   for w, (_, b, ix) in sorted(owed.items())]
+        return describe_timeout(self._timeout, awaited, dumps)
 
     def _wait_one(self, timeout: float):
+        try:
+            return self._wait_one_unguarded(timeout)
+        except WorkerDied as raised:
+            # A fresh copy, handled outside the except block: the raised one's
+            # traceback (from the pin thread, say) holds this iterator, and as
+            # the __context__ of the error below it would keep the iterator,
+            # its pipes and its shared memory alive as long as the user keeps
+            # the error.
+            death = WorkerDied(raised.worker_id, raised.half_message)
+        handle_worker_death(self, death)  # restarts it, or raises its error
+        return False, None
+
+    def _wait_one_unguarded(self, timeout: float):
         if self._pin_thread is None:
             return self._receive(timeout)
         try:
@@ -253,8 +354,12 @@ class MultiProcessIterator(BaseIterator):
                 raise RuntimeError("Pin memory thread exited unexpectedly") from None
             return False, None
         if kind == "error":
-            self._shutdown_workers()
-            raise item
+            if not isinstance(item, WorkerDied):  # else the thread has ended; _wait_one decides
+                self._shutdown_workers()
+            try:
+                raise item
+            finally:
+                del item  # its traceback holds this frame: no cycle to keep us alive
         return True, item
 
     def _next_data(self):
@@ -337,6 +442,8 @@ class MultiProcessIterator(BaseIterator):
         finally:
             for index_queue in self._index_queues:
                 _close_queue(index_queue)
+            for stack_pipe in self._stack_pipes:
+                stack_pipe.close()
             _close_queue(self._result_queue)
             self._unpacker.close()
             _live_iterators.discard(self)
@@ -347,6 +454,37 @@ class MultiProcessIterator(BaseIterator):
             self._shutdown_workers()
         except Exception:
             pass  # interpreter teardown: modules may already be gone
+
+
+class _IteratorGone(Exception):
+    pass
+
+
+def _weak_receive(iterator):
+    """``iterator._receive`` for the pin thread, without keeping the iterator
+    alive: an iterator dropped mid-epoch (``break``, an exception the caller
+    swallowed) must still be collected, which is what shuts its workers down."""
+    ref = weakref.ref(iterator)
+
+    def alive():
+        it = ref()
+        if it is None:
+            raise _IteratorGone("the iterator was garbage-collected")
+        return it
+
+    def receive(timeout: float):
+        # Hold no reference while blocked: the thread waits almost all the
+        # time, and a reference held then would keep an unreachable
+        # iterator (and its workers) from ever being collected.
+        it = alive()
+        if it._pending:
+            return True, it._pending.popleft()
+        reader, sentinels = it._result_reader, it._watched_sentinels()
+        del it
+        ready = connection.wait([reader, *sentinels], timeout)
+        return alive()._take_ready(ready, sentinels)
+
+    return receive
 
 
 def _close_queue(q) -> None:

@@ -61,3 +61,20 @@ def resolve_log_every(log_every: int | None) -> int | None:
             f"log_every must be a positive number of batches between stats log lines, or None "
             f"for no log line, but got {log_every!r}")
     return log_every
+def validate_max_worker_restarts(max_worker_restarts, dataset) -> None:
+    """``max_worker_restarts`` (see ``_restart.py``): a non-negative int, and
+    only for map-style datasets."""
+    from torch.utils.data import IterableDataset
+
+    if isinstance(max_worker_restarts, bool) or not isinstance(max_worker_restarts, int):
+        raise TypeError(f"max_worker_restarts must be a non-negative int, but got "
+                        f"{max_worker_restarts!r}")
+    if max_worker_restarts < 0:
+        raise ValueError(f"max_worker_restarts must be a non-negative int, but got "
+                         f"{max_worker_restarts!r}. Use 0 (the default) for torch's behaviour: "
+                         "a dead worker is an error.")
+    if max_worker_restarts and isinstance(dataset, IterableDataset):
+        raise ValueError(
+            f"max_worker_restarts={max_worker_restarts} cannot be used with an IterableDataset: "
+            "a restarted worker would start its stream over and deliver batches twice. Use "
+            "max_worker_restarts=0, or a map-style dataset.")

@@ -51,4 +51,5 @@ def describe_unpicklable(obj) -> str:
         return "the batch failed to pickle, but every part of it pickles on its own"
     path, leaf = found
     kind = type(leaf)
-    return f"{path} is a {kind.__module__}.{kind.__qualname__} ({leaf!r:.80}), which cannot be pickled"
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    return f"{path} is a {name} ({leaf!r:.80}), which cannot be pickled"

@@ -17,7 +17,6 @@ import copy
 import os
 import queue
 import threading
-import weakref
 from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 
 import torch
@@ -70,10 +69,10 @@ class PinMemoryThread:
 
     def __init__(self, receive, device, device_index: int | None, pin: bool = True):
         self.out = queue.Queue()
-        # receive is the iterator's bound method (timeout) -> (ok, (send_idx,
-        # batch)).  Hold it weakly: a running thread is a GC root, and a strong
-        # reference would keep a dropped iterator, and its workers, alive forever.
-        self._receive = weakref.WeakMethod(receive)
+        # callable(timeout) -> (ok, (send_idx, batch)).  It must not keep the
+        # iterator alive (see _multiprocess._weak_receive): a running thread is
+        # a GC root, and a dropped iterator must still be collected.
+        self._receive = receive
         self._device = device
         self._device_index = device_index
         self._pin = pin
@@ -90,16 +89,11 @@ class PinMemoryThread:
         if self._pin and self._device_index is not None:
             torch.accelerator.set_device_index(self._device_index)
         while not self._done.is_set():
-            receive = self._receive()
-            if receive is None:
-                return  # the iterator is gone
             try:
-                ok, item = receive(0.1)
+                ok, item = self._receive(0.1)
             except Exception as exc:  # the main thread re-raises it
                 self.out.put(("error", exc))
                 return
-            finally:
-                del receive
             if not ok:
                 continue
             send_idx, batch = item

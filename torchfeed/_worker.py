@@ -34,14 +34,13 @@ from typing import Any, Callable
 import torch
 import torch.utils.data._utils.worker as _torch_worker
 
-from . import _seeding
+from . import _seeding, _stack_dump
 from ._errors import WorkerFailure
 from ._fetch import create_fetcher
 from ._index_stream import StatefulResult
 from ._pickling import describe_unpicklable, find_unpicklable
 
 POLL_INTERVAL = 0.25  # seconds between checks that the main process is alive
-FLUSH_TIMEOUT = 0.5   # seconds an exiting worker waits for its last results to be written
 
 
 @dataclass
@@ -138,17 +137,23 @@ def _unsendable(exc: Exception, detail: str, worker_id: int, task: Task | None):
                          task.batch_index if task else None)
 
 
-def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, channel) -> None:
+def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, channel,
+                stack_pipe=None) -> None:
     # Ctrl-C reaches the whole process group; the main process decides when
     # workers stop, so a worker must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _enable_crash_traces()
+    _enable_crash_traces()  # a segfault prints the worker's Python stack to stderr
+    _stack_dump.install(stack_pipe)  # the main asks for our stacks when it times out
     parent_pid = os.getppid()
     threading.Thread(target=_watch_main_process, args=(spec.main_pid, parent_pid),
                      name="torchfeed-watchdog", daemon=True).start()
     # Nobody else reads the result queue in a worker; holding its read end open
     # would keep a dead main process's pipe alive.
     result_queue._reader.close()
+    # Then a write that fails with EPIPE means the main process is gone: the
+    # watchdog ends us in a moment, and the feeder thread's traceback would
+    # only bury the main process's own error (or its clean Ctrl-C) in noise.
+    result_queue._ignore_epipe = True
 
     torch.set_num_threads(1)
     seed = _seeding.seed_worker(spec.base_seed, worker_id)
@@ -208,17 +213,15 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             result_queue.put((*message, time.perf_counter() - start))  # + busy time, for stats
             del payload, task
     finally:
-        # The result queue's write lock is shared by all workers, and this
-        # worker's feeder thread holds it while writing.  Exiting under it
-        # (a worker retired after its iterable ended exits at once) would leave
-        # the lock held forever and every other worker unable to send: let the
-        # feeder finish.  Bounded, because when the iterator is going away
-        # nobody reads, and a full pipe would block the flush forever.
+        # Let the feeder thread finish writing and release the queue's write
+        # lock, shared by all workers, before this process exits.  A worker
+        # retired mid-epoch (its iterable ended) that exited while its feeder
+        # still held the lock would leave every other worker unable to send,
+        # and the main process waiting forever.  The flush cannot hang for
+        # good: if the main process is gone the watchdog ends us, and if it is
+        # shutting down it terminates us after its grace period.
         result_queue.close()
-        feeder = getattr(result_queue, "_thread", None)
-        if feeder is not None:
-            feeder.join(timeout=FLUSH_TIMEOUT)
-        result_queue.cancel_join_thread()
+        result_queue.join_thread()
 
 
 def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int, packer):

@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch.utils.data
 
 from . import _state
+from ._errors import nested_worker_error
 from ._multiprocess import MultiProcessIterator
-from ._options import resolve_log_every, resolve_transport, validate_options
+from ._options import (resolve_log_every, resolve_transport, validate_max_worker_restarts,
+                       validate_options)
 from ._single_process import SingleProcessIterator
 from ._stats import LoaderStats, empty_stats
 
@@ -37,6 +39,12 @@ class DataLoader(torch.utils.data.DataLoader):
             batch from ``(base seed, epoch, batch index)``, so random
             augmentations are the same for any ``num_workers`` and are restored
             exactly on resume.  Default ``False`` (torch's per-worker seeding).
+        max_worker_restarts (int): how many times, over one iterator's lifetime,
+            a worker killed by a signal (the OOM killer's SIGKILL, a segfault) is
+            replaced by a new process that is sent the same batches again, so
+            the epoch comes out as it would have without the crash.  Default
+            ``0``: a dead worker is an error, as in torch.  Map-style datasets
+            only; each restart warns.  See the README's troubleshooting section.
         snapshot_every_n_steps (int): accepted for drop-in compatibility with
             torchdata's ``StatefulDataLoader`` and ignored: ``state_dict()`` is
             exact and cheap at every step.
@@ -52,7 +60,7 @@ class DataLoader(torch.utils.data.DataLoader):
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, transport=None, seed_per_batch=False,
-                 snapshot_every_n_steps=None, log_every=None):
+                 snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0):
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -66,6 +74,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self.transport = resolve_transport(transport)
         self.seed_per_batch = seed_per_batch
         self.snapshot_every_n_steps = snapshot_every_n_steps
+        validate_max_worker_restarts(max_worker_restarts, dataset)
+        self.max_worker_restarts = max_worker_restarts
         self.log_every = resolve_log_every(log_every)
 
     def __iter__(self):
@@ -104,5 +114,8 @@ class DataLoader(torch.utils.data.DataLoader):
     def _get_iterator(self):
         if self.num_workers == 0:
             return SingleProcessIterator(self)
+        error = nested_worker_error(self.num_workers)
+        if error is not None:
+            raise error
         self.check_worker_number_rationality()
         return MultiProcessIterator(self)

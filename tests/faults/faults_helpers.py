@@ -1,0 +1,81 @@
+"""Helpers shared by the fault tests: the configuration matrix, the /dev/shm
+listing, and running a loader until it fails (and when)."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+
+SURFACE_WITHIN = 5.0  # the issue's bound between a fault and its error
+SHM_DIR = "/dev/shm"
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return set()
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    kind: str          # "map" or "iterable"
+    persistent: bool
+    pin_thread: bool
+
+    @property
+    def id(self) -> str:
+        return (f"{self.kind}-{'persistent' if self.persistent else 'fresh'}"
+                f"{'-pin' if self.pin_thread else ''}")
+
+    def kwargs(self) -> dict:
+        return {"persistent_workers": self.persistent, "pin_memory": self.pin_thread}
+
+
+ALL_CONFIGS = [LoaderConfig(kind, persistent, pin)
+               for kind in ("map", "iterable")
+               for persistent in (False, True)
+               for pin in (False, True)]
+MAP_CONFIGS = [c for c in ALL_CONFIGS if c.kind == "map"]  # for what only map-style supports
+# Four configurations in which every pair of values of any two axes occurs:
+# for the slow cases (a 2 s timeout, a 1 s shutdown grace) where all eight
+# would cost more than they find.
+PAIRWISE_CONFIGS = [LoaderConfig("map", False, False), LoaderConfig("map", True, True),
+                    LoaderConfig("iterable", False, True), LoaderConfig("iterable", True, False)]
+
+
+class Failure:
+    """What a failed iteration left us: the exception's type and text (never
+    the exception itself, whose traceback would keep the iterator alive), when
+    it was raised and how many batches came before it."""
+
+    def __init__(self, exc: BaseException, raised_at: float, batches: int):
+        self.type = type(exc)
+        self.message = str(exc)
+        self.notes = list(getattr(exc, "__notes__", ()))
+        self.raised_at = raised_at
+        self.batches = batches
+
+    def __repr__(self):
+        return f"{self.type.__name__}: {self.message}"
+
+
+def iterate_until_failure(loader, epochs: int = 1) -> Failure:
+    """Iterate ``epochs`` epochs; return the Failure, or fail the test if none came."""
+    batches = 0
+    try:
+        for _ in range(epochs):
+            for batch in loader:
+                del batch
+                batches += 1
+    except Exception as exc:
+        return Failure(exc, time.time(), batches)
+    pytest.fail(f"the loader ran {epochs} epoch(s) ({batches} batches) without an error")
+
+
+def epochs_for(config) -> int:
+    """Persistent workers get the fault in their second epoch (see FaultyMap's
+    ``visit``), so it hits a worker that went through ResumeIteration."""
+    return 2 if config.persistent else 1

@@ -1,0 +1,93 @@
+"""Bad input: nonsense constructor arguments fail at construction; a dataset
+whose ``__len__`` lies and a sampler that yields out-of-range indices fail with
+an error naming the index and ``len(dataset)``; an IterableDataset that yields
+nothing warns (torch is silent; an empty dataset is legal, so no error).
+"""
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from faults_helpers import iterate_until_failure
+from torchfeed import DataLoader
+
+
+class Tiny(Dataset):
+    """Ten samples in a list: an index past the end raises IndexError, as most
+    real datasets do.  (One that serves any index is never stopped: torch does
+    not check indices against len(dataset), and neither does torchfeed.)"""
+
+    def __init__(self):
+        self.samples = [torch.tensor([i]) for i in range(10)]
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(num_workers=-1), "num_workers option should be non-negative"),
+    (dict(prefetch_factor=2), "prefetch_factor option could only be specified in multiprocessing"),
+    (dict(batch_sampler=[[0, 1]], shuffle=True), "batch_sampler option is mutually exclusive"),
+    (dict(timeout=-1), "timeout option should be non-negative"),
+    (dict(persistent_workers=True), "persistent_workers option needs num_workers > 0"),
+    (dict(sampler=[0, 1], shuffle=True), "sampler option is mutually exclusive with shuffle"),
+    (dict(batch_size=None, drop_last=True), "batch_size=None option disables auto-batching"),
+    (dict(num_workers=2, prefetch_factor=-1), "prefetch_factor option should be non-negative"),
+    (dict(max_worker_restarts=-1), "max_worker_restarts must be"),
+    (dict(max_worker_restarts=1.5), "max_worker_restarts must be"),
+])
+def test_nonsense_arguments_fail_at_construction(kwargs, words):
+    with pytest.raises((ValueError, TypeError), match=words):
+        DataLoader(Tiny(), **kwargs)
+
+
+class LyingLength(Dataset):
+    """Says 12, holds 10."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9][i]])
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_len_that_lies_names_index_and_length(num_workers):
+    failure = iterate_until_failure(DataLoader(LyingLength(), batch_size=4,
+                                               num_workers=num_workers))
+    assert failure.type is IndexError, failure
+    msg = _with_notes(failure)
+    assert "dataset[10] raised IndexError, but len(dataset) is 12" in msg, msg
+    assert "__len__" in msg
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_sampler_out_of_range_names_index_and_length(num_workers):
+    loader = DataLoader(Tiny(), batch_size=2, sampler=[3, 4, 5, 17, 6, 7],
+                        num_workers=num_workers)
+    failure = iterate_until_failure(loader)
+    assert failure.type is IndexError, failure
+    msg = _with_notes(failure)
+    assert "The sampler asked for index 17, but len(dataset) is 10: out of range" in msg, msg
+    if num_workers:
+        assert "sample indices [5, 17]" in msg, msg
+
+
+class Empty(IterableDataset):
+    def __iter__(self):
+        return iter([])
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_empty_iterable_warns(num_workers):
+    with pytest.warns(UserWarning, match="IterableDataset Empty yielded no batches this epoch"):
+        assert list(DataLoader(Empty(), batch_size=2, num_workers=num_workers)) == []
+
+
+def _with_notes(failure):
+    return failure.message + "\n" + "\n".join(failure.notes)

@@ -1,0 +1,222 @@
+"""Items 7 and 8: the main process dies or is interrupted mid-epoch.
+
+* SIGKILL of the main process: every worker exits within 5 s (its watchdog
+  notices the parent is gone), and no /dev/shm entry remains.
+* SIGTERM to the main process only (``kill PID``), or to the whole process
+  group (``docker stop``, Slurm): everything is gone within 5 s, and the workers
+  print nothing.
+* Ctrl-C (SIGINT to the whole process group): KeyboardInterrupt in the main
+  process, workers ignore it, everything is gone within 5 s, and stderr holds
+  the main process's one traceback and nothing from the workers.
+
+SIGKILL and SIGTERM (no handler) end the main process with no clean-up of its
+own, so a fork of this test process is as good a "training script" as a fresh
+interpreter, and costs milliseconds instead of seconds of importing torch.
+Ctrl-C does run the interpreter's exit path (atexit hooks, multiprocessing's
+clean-up of daemonic children), so it runs a real script, ``faults_main_process.py``,
+over fewer configurations.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+import faults_main_process
+from faults_helpers import shm_entries
+from faults_helpers import SURFACE_WITHIN
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults_main_process.py")
+
+# (kind, persistent, pin thread): a diagonal of the matrix
+CONFIGS = [("map", False, False), ("iterable", True, True), ("map", True, True),
+           ("iterable", False, False)]
+
+
+def _ids(config):
+    kind, persistent, pin = config
+    return f"{kind}-{'persistent' if persistent else 'fresh'}{'-pin' if pin else ''}"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+_started = []
+
+
+@pytest.fixture(autouse=True)
+def _finish_every_main():
+    """Kill whatever a failed test left running, before the leak check looks."""
+    yield
+    while _started:
+        _started.pop().finish()
+
+
+class _Main:
+    """The pids of a "main process" and its two workers, and how to wait for them."""
+
+    workers = ()
+
+    def wait_all_gone(self, since: float) -> float:
+        """Seconds from ``since`` until the main process and every worker are gone."""
+        deadline = since + 30
+        while time.time() < deadline:
+            if self._main_exited() and all(_gone(p) for p in self.workers):
+                return time.time() - since
+            time.sleep(0.02)
+        return float("inf")
+
+    def _cleanup_workers(self):
+        for pid in self.workers:  # never leave a worker behind, even on failure
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+class Script(_Main):
+    """``faults_main_process.py`` in a fresh interpreter, in its own session."""
+
+    def __init__(self, config, action):
+        kind, persistent, pin = config
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, SCRIPT, kind, str(int(persistent)), str(int(pin)), action],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            start_new_session=True)
+        self.pid = self.proc.pid
+        _started.append(self)
+        line = self.proc.stdout.readline()
+        if not line.startswith("WORKERS"):
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            pytest.fail(f"the script did not start its workers: {line}{out}\n{err}")
+        self.workers = [int(p) for p in line.split()[1:]]
+        assert len(self.workers) == 2
+
+    def _main_exited(self):
+        return self.proc.poll() is not None
+
+    def finish(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        out, err = self.proc.communicate()
+        self._cleanup_workers()
+        return self.proc.returncode, err
+
+
+class Forked(_Main):
+    """A fork of this test process running ``faults_main_process.run``, in its own
+    session, its stderr (and its workers') going to a file."""
+
+    def __init__(self, config, action, stderr_path):
+        kind, persistent, pin = config
+        self.stderr_path = stderr_path
+        self.returncode = None
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never return into pytest
+            code = 1
+            try:
+                os.close(r)
+                os.setsid()
+                signal.setitimer(signal.ITIMER_REAL, 0)  # pytest-timeout's alarm
+                for sig in (signal.SIGTERM, signal.SIGALRM, signal.SIGINT):
+                    signal.signal(sig, signal.SIG_DFL)
+                fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 2)
+
+                def report(pids):
+                    os.write(w, (" ".join(map(str, pids)) + "\n").encode())
+
+                faults_main_process.run(kind, persistent, pin, action, report)
+                code = 0
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(w)
+        self.pid = pid
+        _started.append(self)
+        with os.fdopen(r) as f:
+            line = f.readline()
+        if not line.strip():
+            self._reap(block=True)
+            pytest.fail(f"the forked main did not start its workers:\n{self.stderr()}")
+        self.workers = [int(p) for p in line.split()]
+        assert len(self.workers) == 2
+
+    def _reap(self, block=False):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def _main_exited(self):
+        return self._reap() is not None
+
+    def stderr(self):
+        with open(self.stderr_path) as f:
+            return f.read()
+
+    def finish(self):
+        if self._reap() is None:
+            os.kill(self.pid, signal.SIGKILL)
+            self._reap(block=True)
+        self._cleanup_workers()
+        return self.returncode, self.stderr()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
+def test_main_process_sigkill_leaves_nothing(config, tmp_path):
+    shm_before = shm_entries()
+    script = Forked(config, "sigkill", tmp_path / "stderr")
+    died = time.time()
+    took = script.wait_all_gone(died)
+    code, err = script.finish()
+    assert code == -signal.SIGKILL, (code, err)
+    assert took < SURFACE_WITHIN, f"workers outlived the main process by {took:.1f} s"
+    assert "Traceback" not in err, err
+    assert shm_entries() - shm_before <= {e for e in shm_entries() if e.startswith("sem.mp-")}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("config", CONFIGS[:2], ids=_ids)
+def test_ctrl_c_exits_cleanly(config):
+    script = Script(config, "wait")
+    sent = time.time()
+    os.killpg(script.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    took = script.wait_all_gone(sent)
+    code, err = script.finish()
+    assert took < SURFACE_WITHIN, f"exit took {took:.1f} s"
+    assert code in (-signal.SIGINT, 1), (code, err)
+    # One clear error: the main process's KeyboardInterrupt, nothing from workers.
+    assert err.count("Traceback (most recent call last)") == 1, err
+    assert err.rstrip().endswith("KeyboardInterrupt"), err
+    for noise in ("Exception ignored", "Exception in thread", "torchfeed/_worker.py"):
+        assert noise not in err, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target", ["main", "group"])
+@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
+def test_sigterm_exits_cleanly(config, target, tmp_path):
+    script = Forked(config, "wait", tmp_path / "stderr")
+    sent = time.time()
+    if target == "main":
+        os.kill(script.pid, signal.SIGTERM)
+    else:
+        os.killpg(script.pid, signal.SIGTERM)
+    took = script.wait_all_gone(sent)
+    code, err = script.finish()
+    assert code == -signal.SIGTERM, (code, err)
+    assert took < SURFACE_WITHIN, f"exit took {took:.1f} s"
+    assert "Traceback" not in err, err

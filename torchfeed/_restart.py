@@ -1,0 +1,161 @@
+"""Opt-in worker restarts: ``DataLoader(max_worker_restarts=N)``.
+
+By default (``N = 0``) a worker that dies is fatal, as in torch: the iterator
+shuts down and raises the dead-worker error.  With ``N > 0``, a worker of a
+map-style dataset that was killed by a signal (the OOM killer's SIGKILL, a
+segfault in a decoder) is replaced by a new process with the same worker id,
+and the tasks it owed are sent to the replacement: the same batches, the same
+sample indices, in the same order, so the epoch comes out exactly as it would
+have without the crash, as long as ``__getitem__`` is deterministic (random
+augmentations are too with ``seed_per_batch=True``; with torch's per-worker
+seeding the replacement's RNGs start over from the worker's seed).  At most
+``N`` restarts happen over the iterator's lifetime (an epoch, or every epoch
+with persistent workers); the next death raises the dead-worker error, which
+then says the restarts ran out.  Each restart warns (RuntimeWarning), so a
+recurring crash is not silently absorbed.
+
+Never restarted:
+
+* a worker that exited with a code (``sys.exit``, ``os._exit``): user code chose
+  to end it, and would again;
+* a worker of an IterableDataset: a replacement would start its stream over
+  and deliver batches twice; such loaders refuse ``max_worker_restarts`` at
+  construction;
+* a worker that died in the middle of writing a result: half a message is
+  left in the shared result queue, and no later
+  message can be trusted.
+
+How a restart keeps the output identical: messages the dead worker finished
+writing are still in the result pipe.  Before anything is re-sent, every
+whole message in the pipe is read; those the main process can rebuild are kept
+(they are answers, not lost); those it cannot (torch's transport fetches
+tensors' file descriptors from their sender, which is gone) are dropped.  The
+tasks the dead worker owed and whose answers are neither kept nor already
+received are re-sent, on a fresh index queue, so no task reaches the
+replacement twice and no answer arrives twice.
+"""
+from __future__ import annotations
+
+import warnings
+
+from ._errors import describe_exit
+from ._pipe_reader import HalfMessage
+
+LOCK_PROBE = 1.0  # seconds the write lock may stay taken with nothing arriving
+
+
+class WorkerDied(Exception):
+    """Internal: worker ``worker_id`` is dead; the main thread decides what next."""
+
+    def __init__(self, worker_id: int, half_message: bool = False):
+        super().__init__(f"worker {worker_id} died")
+        self.worker_id = worker_id
+        self.half_message = half_message
+
+
+class CannotRestart(Exception):
+    pass
+
+
+class RestartBudget:
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.history: list[str] = []  # "worker 1 (pid 123) was killed by signal SIGKILL (9)"
+
+    def refusal(self, exitcode, is_iterable: bool) -> str | None:
+        """Why a worker that died with ``exitcode`` is not restarted; None if it is.
+        An empty string means "restarts are off": the message says nothing."""
+        if self.limit == 0:
+            return ""
+        if is_iterable:  # refused at construction; kept for loaders built around that
+            return "It was not restarted: restarts are not supported for an IterableDataset."
+        if exitcode is None or exitcode >= 0:
+            return (f"It was not restarted: max_worker_restarts restarts workers killed by a "
+                    f"signal, and this one {describe_exit(exitcode)}, which code in the worker "
+                    f"chose.")
+        if len(self.history) >= self.limit:
+            earlier = "; ".join(self.history)
+            return (f"It was not restarted: all max_worker_restarts={self.limit} restarts "
+                    f"were used ({earlier}).")
+        return None
+
+    def record(self, worker_id: int, pid, exitcode) -> int:
+        self.history.append(f"worker {worker_id} (pid {pid}) {describe_exit(exitcode)}")
+        return len(self.history)
+
+
+def handle_worker_death(it, death: WorkerDied) -> None:
+    """Restart the dead worker if the budget allows, else raise its error."""
+    worker_id = death.worker_id
+    process = it._workers[worker_id]
+    process.join(timeout=0.5)  # reap it, so its exit code is known
+    reason = it._restarts.refusal(process.exitcode, it._is_iterable)
+    if death.half_message:
+        half = ("It died while writing a result to the main process, which leaves half a "
+                "message in the result queue that all workers share")
+        reason = (f"{half}, so it was not restarted." if reason is None
+                  else f"{half}.\n{reason}" if reason else f"{half}.")
+    elif reason is None:
+        try:
+            _restart(it, worker_id, process)
+            return
+        except CannotRestart as exc:
+            reason = f"It was not restarted: {exc}"
+    it._raise_dead_worker(worker_id, note=reason)
+
+
+def _restart(it, worker_id: int, process) -> None:
+    if it._pin_thread is not None:
+        it._pin_thread.stop()  # it has already ended: it reported the death
+    _drain(it, worker_id)
+    owed = [(send_idx, task) for send_idx, task in sorted(it._task_info.items())
+            if task[0] == worker_id and send_idx not in it._arrived
+            and send_idx not in {item[0] for item in it._pending}]
+    count = it._restarts.record(worker_id, process.pid, process.exitcode)
+    new = it._replace_worker(worker_id, owed)
+    batches = ", ".join(str(task[1]) for _, task in owed) or "none"
+    warnings.warn(
+        f"DataLoader worker {worker_id} (pid {process.pid}) {describe_exit(process.exitcode)}; "
+        f"restarted it as pid {new.pid} (restart {count} of max_worker_restarts="
+        f"{it._restarts.limit}) and re-sent the batches it owed: {batches}.",
+        RuntimeWarning, stacklevel=5)
+
+
+def _drain(it, dead: int) -> None:
+    """Read every whole message in the result pipe into ``it._pending``, so
+    that nothing the dead worker wrote is still unread when its tasks are
+    re-sent; then make sure the queue's write lock is free.
+
+    A worker's queue feeder thread takes the write lock just before it writes
+    a message, so a worker killed in ``__getitem__`` while its feeder was
+    starting to send the previous batch dies holding the lock.  Every other
+    worker would then wait for it forever.  While we keep reading, a live
+    holder finishes its write within moments; a lock that stays taken while
+    nothing arrives for ``LOCK_PROBE`` seconds is held by the dead worker, and
+    the pipe holds only whole messages (half of one raises ``HalfMessage``), so
+    releasing the lock on its behalf is safe."""
+    lock = getattr(it._result_queue, "_wlock", None)
+    quiet_since = _now()
+    while True:
+        try:
+            while it._result_reader.poll(0):
+                item = it._read_result(dead=dead)
+                quiet_since = _now()
+                if item is not None:
+                    it._pending.append(item)
+        except HalfMessage:
+            raise CannotRestart("it died while writing a result, which leaves half a message "
+                                "in the result queue shared by all workers.") from None
+        if lock is None or lock.acquire(timeout=0.05):
+            if lock is not None:
+                lock.release()
+            return
+        if _now() - quiet_since > LOCK_PROBE:
+            lock.release()  # a multiprocessing.Lock may be released by any process
+            return
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
