@@ -65,8 +65,7 @@ def ids_of(batches):
     return [int(i) for b in batches for i in b]
 
 
-# The loader's own state_dict() (issue 3) may land after this test: until then
-# the loader-level scenario is skipped, and the test says so.
+# Recorded so the tests can tell a loader without state_dict() from a bug.
 LOADER_STATE = hasattr(LOADER, "state_dict") and hasattr(LOADER, "load_state_dict")
 
 

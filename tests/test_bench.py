@@ -3,7 +3,6 @@
 Real loaders, real worker processes, tiny runs.  Speed is never asserted: a
 figure must exist and be sane, not be fast.
 """
-import inspect
 import io
 import json
 import os
@@ -14,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch.utils.data
 
-import torchfeed
 from torchfeed._progress import Progress
 from torchfeed.bench.__main__ import main as bench_main
 from torchfeed.bench.compare import (BenchConfig, LoaderFigures, WorkloadResult,
@@ -78,8 +76,6 @@ def test_transport_reaches_torchfeed_only_when_given():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.skipif("transport" not in inspect.signature(torchfeed.DataLoader).parameters,
-                    reason="this torchfeed.DataLoader has no transport= option yet")
 @pytest.mark.parametrize("transport", ["torch", "shm"])
 def test_bench_runs_each_transport(transport):
     config = BenchConfig(["small"], num_workers=1, batches=2, repeats=1, transport=transport,

@@ -607,8 +607,7 @@ def test_process_group_resume_at_another_world_size(runs, name):
 @pytest.mark.parametrize("name", ["n3", "n1"])
 def test_process_group_loader_state_resumes_at_another_world_size(runs, name):
     before, after = runs("n2"), runs(name)
-    if not before[0]["loader_state"]:
-        pytest.skip("torchfeed.DataLoader has no state_dict() yet (issue 3)")
+    assert before[0]["loader_state"]
     world = len(after)
     full = order(script.N, script.SEED, 1, True)
     c = script.SAVE_STEP * script.BATCH * 2
@@ -626,8 +625,7 @@ def test_process_group_loader_state_resumes_at_another_world_size(runs, name):
 @pytest.mark.timeout(420)
 def test_process_group_loader_state_resumes_2_to_3_to_1(runs):
     first, second, third = runs("n2"), runs("n3"), runs("n1")
-    if not first[0]["loader_state"]:
-        pytest.skip("torchfeed.DataLoader has no state_dict() yet (issue 3)")
+    assert first[0]["loader_state"]
     full = order(script.N, script.SEED, 1, True)
     c = script.SAVE_STEP * script.BATCH * 2 + script.CHAIN_STEP * script.BATCH * 3
     for nw in script.WORKERS:
