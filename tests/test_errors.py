@@ -140,6 +140,18 @@ def test_worker_init_fn_error():
 
 # -- unpicklable samples -------------------------------------------------------------------
 @pytest.mark.timeout(60)
+def test_unpicklable_sample_names_its_path_when_the_batch_falls_back(monkeypatch):
+    # Slots that do not fit the shared-memory budget send batches torch's way
+    # inside a wrapper: the error still names the user's leaf, not the wrapper.
+    monkeypatch.setenv("TORCHFEED_SHM_LIMIT", "64k")
+    with pytest.warns(UserWarning, match="shared memory"):
+        error, got = raised(torchfeed.DataLoader, LockDataset(), batch_size=None,
+                            num_workers=2)
+    assert "batch['meta'][2] is a _thread.lock" in str(error), str(error)
+    assert len(got) == 2
+
+
+@pytest.mark.timeout(60)
 def test_unpicklable_sample_names_its_path():
     start = time.monotonic()
     error, got = raised(torchfeed.DataLoader, LockDataset(), batch_size=None, num_workers=2)

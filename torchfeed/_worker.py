@@ -19,9 +19,11 @@ Two rules keep the main process from ever hanging on a worker:
 """
 from __future__ import annotations
 
+import errno
 import faulthandler
 import io
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -39,6 +41,7 @@ from ._errors import WorkerFailure
 from ._fetch import create_fetcher
 from ._index_stream import StatefulResult
 from ._pickling import describe_unpicklable, find_unpicklable
+from ._transport import Plain
 
 POLL_INTERVAL = 0.25  # seconds between checks that the main process is alive
 
@@ -123,8 +126,36 @@ def _serialize(send_idx: int, payload, worker_id: int, task: Task | None):
     try:
         return send_idx, worker_id, bytes(ForkingPickler.dumps(payload))
     except Exception as exc:
-        failure = _unsendable(exc, describe_unpicklable(payload), worker_id, task)
+        if isinstance(exc, (TypeError, AttributeError, pickle.PicklingError)):
+            failure = _unsendable(exc, describe_unpicklable(_batch_in(payload)), worker_id, task)
+        else:  # the batch pickles, but could not be sent: /dev/shm full, say
+            _explain_send_error(exc)
+            failure = WorkerFailure(exc, worker_id, "sending", task.indices if task else None,
+                                    task.batch_index if task else None)
         return send_idx, worker_id, bytes(ForkingPickler.dumps(failure))
+
+
+def _batch_in(payload):
+    """The user's batch inside the wrappers a payload may have."""
+    while True:
+        if isinstance(payload, StatefulResult):
+            payload = payload.value
+        elif isinstance(payload, Plain):
+            payload = payload.batch
+        else:
+            return payload
+
+
+def _explain_send_error(exc: Exception) -> None:
+    text = str(exc).lower()
+    if not hasattr(exc, "add_note"):  # Python < 3.11
+        return
+    if "shared memory" in text or "shm" in text or getattr(exc, "errno", None) == errno.ENOSPC:
+        exc.add_note(
+            "This batch went through torch's transport (transport='torch', or a batch that did "
+            "not fit torchfeed's shared-memory slots), which puts every tensor in /dev/shm, and "
+            "/dev/shm is full. Give it more room (docker run --shm-size=2g, or a larger tmpfs), "
+            "or lower batch_size, num_workers or prefetch_factor.")
 
 
 def _unsendable(exc: Exception, detail: str, worker_id: int, task: Task | None):
