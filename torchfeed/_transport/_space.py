@@ -151,17 +151,14 @@ class SpaceCheck:
     def message(self, what="the shared-memory transport's slots") -> str:
         """One sentence that says what does not fit and how to fix it."""
         shm = self.dev_shm_free
-        torch_part = (
-            "torch's transport puts its batches in /dev/shm"
-            + (f" ({human(shm)} free there)" if shm is not None else "")
-            + "; in Docker give it room with `docker run --shm-size=...`"
-        )
+        where = f"{human(shm)} free there; " if shm is not None else ""
         return (
             f"torchfeed: {what} need {human(self.needed)} of shared memory but only "
-            f"{human(self.budget)} is allowed ({self.source}). Batches that do not fit "
-            f"fall back to torch's transport, which is slower and where {torch_part}. "
-            f"To keep the fast path, raise {ENV_LIMIT} (or the shm_limit option) or free "
-            f"memory; pass transport='torch' to choose torch's path and silence this warning."
+            f"{human(self.budget)} is allowed ({self.source}). Batches that do not fit go "
+            f"through torch's transport instead, which is slower and keeps its batches in "
+            f"/dev/shm ({where}in Docker, give it room with `docker run --shm-size=...`). "
+            f"To keep the fast path, raise {ENV_LIMIT} or free memory; pass transport='torch' "
+            f"to choose torch's path and silence this warning."
         )
 
 
