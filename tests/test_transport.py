@@ -7,8 +7,6 @@ import gc
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import textwrap
 import warnings
 from multiprocessing.reduction import ForkingPickler
@@ -404,21 +402,9 @@ MAIN_SCRIPT = textwrap.dedent("""
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_no_leak_after_main_process_sigkill(method):
-    before = h.dev_shm()
     script = MAIN_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"), method=method)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        workers = [int(x) for x in proc.stdout.readline().split()]
-        assert len(workers) == 2
-        assert all(h.memfd_refs(pid) for pid in workers + [proc.pid])
-        used = h.shm_entries_of(workers + [proc.pid])
-        proc.kill()
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stdout.close()
-    _no_leftovers(workers + [proc.pid], before, used)
+    pids, before, used = h.sigkill_main_process(script)
+    _no_leftovers(pids, before, used)
 
 
 # -- the channel itself ----------------------------------------------------------------

@@ -235,23 +235,9 @@ time.sleep(60)
 
 @pytest.mark.timeout(90)
 def test_nothing_left_after_main_process_sigkill():
-    import subprocess
-    import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    before = h.dev_shm()
     script = LOADER_MAIN.format(root=root, tests=os.path.join(root, "tests"))
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        workers = [int(x) for x in proc.stdout.readline().split()]
-        assert len(workers) == 2 and all(h.memfd_refs(p) for p in workers)
-        used = h.shm_entries_of(workers + [proc.pid])
-        proc.kill()
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stdout.close()
-    pids = workers + [proc.pid]
+    pids, before, used = h.sigkill_main_process(script)
     assert h.wait_until(lambda: not any(h.alive(p) for p in pids), 10)
     assert all(h.memfd_refs(p) == [] for p in pids)
     assert h.leftover_shm(before, pids, used) == set()
