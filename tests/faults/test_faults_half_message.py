@@ -18,8 +18,12 @@ from torchfeed import DataLoader
 @pytest.mark.timeout(60)
 def test_worker_killed_mid_write_never_hangs(tmp_path):
     marker = str(tmp_path / "fired")
-    loader = DataLoader(BigSamples(n=8, at=4, marker=marker), batch_size=4, num_workers=1,
-                        prefetch_factor=1, collate_fn=collate_list,
+    # The kill comes 0.8 s after sample 4 is fetched: long after the worker has
+    # built batch 1 and begun to write it even on a loaded machine (a kill
+    # before the write would be an ordinary death, which the restart hides),
+    # and well before the main process wakes at 2 s.
+    loader = DataLoader(BigSamples(n=8, at=4, after=0.8, marker=marker), batch_size=4,
+                        num_workers=1, prefetch_factor=1, collate_fn=collate_list,
                         max_worker_restarts=1)  # the error says why it was not used
     it = iter(loader)
     del loader
@@ -27,7 +31,7 @@ def test_worker_killed_mid_write_never_hangs(tmp_path):
     del batch
     # Busy in the training step: the worker's 32 MB batch 1 fills the pipe,
     # its feeder thread blocks part-way, and the timer kills the worker.
-    time.sleep(1.5)
+    time.sleep(2.0)
     asked = time.time()
     try:
         next(it)
