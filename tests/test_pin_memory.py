@@ -227,7 +227,7 @@ def test_pin_memory_tensors():
         with pytest.raises(Exception) as ours:
             pin_memory(batch)
         assert type(ours.value) is type(theirs.value)
-        pytest.skip(NO_ACCELERATOR + " (error parity checked instead)")
+        return
     out = pin_memory(batch)
     assert out["x"].is_pinned() and out["y"][0].is_pinned() and out["s"] == "keep"
     assert torch.equal(out["x"], torch.arange(4))
