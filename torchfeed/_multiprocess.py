@@ -16,7 +16,7 @@ flight at once, sent round-robin.  Results that arrive early wait in
 NOTE [ Waiting without hanging ]
 The main process never blocks on the result queue alone.  It waits on the
 queue's pipe *and* every live worker's process sentinel at once
-(``multiprocessing.connection.wait``), so a worker that dies from SIGKILL, a
+(one ``poll``, see ``_pipe_reader.wait_ready``), so a worker that dies from SIGKILL, a
 segfault or ``os._exit`` wakes it immediately, and the error names that
 worker's pid, its signal or exit code and the batches it had in flight.
 torch instead polls every 5 seconds and relies on a SIGCHLD handler.
@@ -43,16 +43,16 @@ import queue
 import threading
 import time
 import weakref
-from multiprocessing import connection
 
 import torch
 
 from ._errors import WorkerFailure, describe_dead_worker, describe_samples
+from ._index_queue import IndexQueue
 from ._iterator_base import BaseIterator
 from ._pickling import describe_unpicklable
 from ._pin_memory import PinMemoryThread, pass_through_requested
 from ._state import StatefulUnpacker
-from ._pipe_reader import HalfMessage, Stopped, read_message
+from ._pipe_reader import HalfMessage, MessageReader, Stopped, wait_ready
 from ._restart import RestartBudget, WorkerDied, handle_worker_death
 from ._stack_dump import StackPipe, collect_dumps, describe_timeout
 from ._transport import create_channel
@@ -87,6 +87,7 @@ class MultiProcessIterator(BaseIterator):
         ctx = self._ctx = loader.multiprocessing_context or torch.multiprocessing
         self._result_queue = ctx.Queue()
         self._result_reader = self._result_queue._reader
+        self._messages = MessageReader(self._result_reader)
         self._channel = create_channel(self._num_workers, ctx, loader)
         self._unpacker = self._channel.unpacker()
         if self._stream.ships_state:
@@ -129,7 +130,7 @@ class MultiProcessIterator(BaseIterator):
         send it the tasks ``owed``: ``[(send_idx, (worker_id, batch_index, indices))]``."""
         spec = dataclasses.replace(self._spec, epoch=self._epoch)
         index_queue, stack_pipe, process = self._launch(self._ctx, spec, worker_id)
-        _close_queue(self._index_queues[worker_id])
+        self._index_queues[worker_id].close()
         self._stack_pipes[worker_id].close()
         self._index_queues[worker_id] = index_queue
         self._stack_pipes[worker_id] = stack_pipe
@@ -143,11 +144,10 @@ class MultiProcessIterator(BaseIterator):
         return process
 
     def _launch(self, ctx, spec: WorkerSpec, worker_id: int):
-        index_queue = ctx.Queue()
-        index_queue.cancel_join_thread()
+        index_queue = IndexQueue(ctx)
         stack_pipe = StackPipe(ctx)
         process = ctx.Process(target=worker_loop, name=f"torchfeed-worker-{worker_id}",
-                              args=(spec, worker_id, index_queue, self._result_queue,
+                              args=(spec, worker_id, index_queue.queue, self._result_queue,
                                     self._channel),
                               kwargs={"stack_pipe": stack_pipe.writer}, daemon=True)
         try:
@@ -238,7 +238,9 @@ class MultiProcessIterator(BaseIterator):
         if self._pending:
             return True, self._pending.popleft()
         sentinels = self._watched_sentinels()
-        ready = connection.wait([self._result_reader, *sentinels], timeout)
+        if self._messages.has_message():
+            return self._take_ready([self._messages.fd], sentinels)
+        ready = wait_ready([self._messages.fd, *sentinels], timeout)
         return self._take_ready(ready, sentinels)
 
     def _take_ready(self, ready, sentinels):
@@ -246,9 +248,10 @@ class MultiProcessIterator(BaseIterator):
         main thread decides whether to restart it (``_restart.py``) or raise."""
         if not ready:
             return False, None
-        if self._result_reader in ready or self._result_reader.poll(0):
+        fd = self._messages.fd
+        if fd in ready or self._messages.started():
             try:
-                item = self._read_result(sentinels)
+                item = self._read_result(sentinels, ready=fd in ready)
             except Stopped:
                 return False, None
             except HalfMessage as exc:
@@ -262,11 +265,11 @@ class MultiProcessIterator(BaseIterator):
                 raise WorkerDied(worker_id)
         return False, None
 
-    def _read_result(self, sentinels=None, dead: int | None = None):
+    def _read_result(self, sentinels=None, dead: int | None = None, ready: bool = False):
         """(send_idx, payload) of the next message, which has begun to arrive;
         for an acknowledgement (ResumeIteration), (marker, worker_id).  None for
         a message from worker ``dead`` that cannot be rebuilt."""
-        raw = read_message(self._result_reader, sentinels or {}, lambda: self._shutdown, dead)
+        raw = self._messages.read(sentinels or {}, lambda: self._shutdown, dead, ready)
         sem = getattr(self._result_queue, "_sem", None)
         if sem is not None:
             sem.release()  # what Queue.get does: the queue's size bound
@@ -441,7 +444,7 @@ class MultiProcessIterator(BaseIterator):
                     process.join(timeout=0.5)
         finally:
             for index_queue in self._index_queues:
-                _close_queue(index_queue)
+                index_queue.close()
             for stack_pipe in self._stack_pipes:
                 stack_pipe.close()
             _close_queue(self._result_queue)
@@ -479,9 +482,11 @@ def _weak_receive(iterator):
         it = alive()
         if it._pending:
             return True, it._pending.popleft()
-        reader, sentinels = it._result_reader, it._watched_sentinels()
+        fd, sentinels = it._messages.fd, it._watched_sentinels()
+        if it._messages.has_message():
+            return it._take_ready([fd], sentinels)
         del it
-        ready = connection.wait([reader, *sentinels], timeout)
+        ready = wait_ready([fd, *sentinels], timeout)
         return alive()._take_ready(ready, sentinels)
 
     return receive

@@ -138,7 +138,7 @@ def _drain(it, dead: int) -> None:
     quiet_since = _now()
     while True:
         try:
-            while it._result_reader.poll(0):
+            while it._messages.started():
                 item = it._read_result(dead=dead)
                 quiet_since = _now()
                 if item is not None:

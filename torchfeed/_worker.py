@@ -7,7 +7,8 @@ stop.  Each answer is one message on the shared result queue:
 batch (for an IterableDataset with ``state_dict``, wrapped with the state its copy
 reported right after making it), a ``WorkerFailure`` or an ``IterableExhausted``
 marker, and seconds is the time fetch + collate + pack + pickle took (for
-``DataLoader.stats()``).
+``DataLoader.stats()``).  Small messages are written by the worker's main
+thread itself (``_result_writer.py``), larger ones by the queue's feeder thread.
 
 Two rules keep the main process from ever hanging on a worker:
 
@@ -41,6 +42,7 @@ from ._errors import WorkerFailure
 from ._fetch import create_fetcher
 from ._index_stream import StatefulResult
 from ._pickling import describe_unpicklable, find_unpicklable
+from ._result_writer import ResultWriter
 from ._transport import Plain
 
 POLL_INTERVAL = 0.25  # seconds between checks that the main process is alive
@@ -214,6 +216,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     if resume is not None and resume[1]:
         fetcher.ended = True  # its stream ended with the last batch the user got
     exhausted = False
+    results = ResultWriter(result_queue)
     try:
         while True:
             try:
@@ -229,7 +232,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 exhausted = False
                 fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
                                          collate_fn, spec.drop_last)
-                result_queue.put((task, worker_id, None, 0.0))
+                results.put((task, worker_id, None, 0.0))
                 continue
             if exhausted:
                 continue  # the main process stops sending once it hears we ended
@@ -241,8 +244,10 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 if isinstance(payload, IterableExhausted):
                     exhausted = True
             message = _serialize(task.send_idx, payload, worker_id, task)
-            result_queue.put((*message, time.perf_counter() - start))  # + busy time, for stats
+            results.put((*message, time.perf_counter() - start))  # + busy time, for stats
             del payload, task
+    except BrokenPipeError:
+        pass  # the main process is gone; the watchdog would end us in a moment
     finally:
         # Let the feeder thread finish writing and release the queue's write
         # lock, shared by all workers, before this process exits.  A worker

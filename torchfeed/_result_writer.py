@@ -1,0 +1,59 @@
+"""The result queue, written to straight from a worker's main thread.
+
+``multiprocessing.Queue.put`` hands each result to a feeder thread that
+pickles and writes it, so every batch costs the worker a thread wakeup and a
+GIL hand-over: a visible share of a small batch's cost.  ``ResultWriter.put``
+writes the same wire format (see ``_index_queue.py``) itself, under the
+queue's write lock, which all workers share, so it never interleaves with
+another worker's (possibly larger, split) write.
+
+Only messages of at most ``PIPE_BUF`` bytes go directly (a shared-memory
+batch's message is a few hundred bytes): such a write is all-or-nothing, so a
+worker killed during it leaves no half message behind, just as before.  The
+first bigger message (a batch pickled inline, a long error) switches this
+worker to the feeder thread for good, so messages never overtake one another:
+the main process relies on a worker's results arriving in order (an
+``IterableExhausted`` after that worker's last batch, an acknowledgement after
+the previous epoch's results).  The write blocks while the pipe is full, as
+the feeder's would; a worker whose main process is gone is ended by its
+watchdog, and an ``EPIPE`` is reported as ``BrokenPipeError`` to the caller.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from multiprocessing.reduction import ForkingPickler
+
+from ._index_queue import PIPE_BUF
+
+
+class ResultWriter:
+    def __init__(self, result_queue) -> None:
+        self.queue = result_queue
+        self._fd = result_queue._writer.fileno()
+        self._direct = True
+
+    def put(self, obj) -> None:
+        q = self.queue
+        if self._direct:
+            body = ForkingPickler.dumps(obj)
+            message = struct.pack("!i", len(body)) + body
+            if len(message) <= PIPE_BUF:
+                q._sem.acquire()  # the main process releases it per message read
+                lock = q._wlock
+                if lock is not None:
+                    lock.acquire()
+                try:
+                    _write_all(self._fd, message)
+                finally:
+                    if lock is not None:
+                        lock.release()
+                return
+            self._direct = False
+        q.put(obj)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:  # a blocking pipe write of <= PIPE_BUF bytes is whole, but be safe
+        view = view[os.write(fd, view):]
