@@ -22,13 +22,9 @@ worker's pid, its signal or exit code and the batches it had in flight.
 torch instead polls every 5 seconds and relies on a SIGCHLD handler.
 
 NOTE [ Shutdown ]
-Workers are told to stop with ``None`` on their index queue and given one
-shared second to leave, then terminated, then killed: never 5 s per worker.
-Index queues have ``cancel_join_thread`` set, so their feeder threads never
-block interpreter exit, and are closed and joined with a bound.  Workers also
-watch the main process themselves (see ``_worker.py``), so a main process that
-is SIGKILLed leaves nothing behind.  Iterators still alive at interpreter exit
-(persistent workers) are shut down by an ``atexit`` hook that runs before
+See ``_processes.py``: one shared second of grace for all workers, then
+terminate, then kill.  Iterators still alive at interpreter exit (persistent
+workers) are shut down by an ``atexit`` hook that runs before
 multiprocessing's own.
 """
 from __future__ import annotations
@@ -40,25 +36,22 @@ import itertools
 import os
 import pickle
 import queue
-import threading
 import time
 import weakref
 
 import torch
 
 from ._errors import WorkerFailure, describe_dead_worker, describe_samples
-from ._index_queue import IndexQueue
 from ._iterator_base import BaseIterator
-from ._pickling import describe_unpicklable
 from ._pin_memory import PinMemoryThread, pass_through_requested
+from ._processes import close_queue, launch_worker, stop_workers
 from ._state import StatefulUnpacker
 from ._pipe_reader import HalfMessage, MessageReader, Stopped, wait_ready
 from ._restart import RestartBudget, WorkerDied, handle_worker_death
-from ._stack_dump import StackPipe, collect_dumps, describe_timeout
+from ._stack_dump import collect_dumps, describe_timeout
 from ._transport import create_channel
-from ._worker import IterableExhausted, ResumeIteration, Task, WorkerSpec, worker_loop
+from ._worker import IterableExhausted, ResumeIteration, Task, WorkerSpec
 
-SHUTDOWN_GRACE = 1.0  # seconds all workers share to exit before termination
 WAIT_SLICE = 0.1      # longest single wait, so timeouts and dead threads are noticed
 DYING_SENDER_WAIT = 1.0  # how long a payload that failed to arrive may wait for its sender's death
 
@@ -120,7 +113,8 @@ class MultiProcessIterator(BaseIterator):
                                            index, pin=self._pin_memory)
 
     def _start_worker(self, ctx, spec: WorkerSpec, worker_id: int) -> None:
-        index_queue, stack_pipe, process = self._launch(ctx, spec, worker_id)
+        index_queue, stack_pipe, process = launch_worker(ctx, spec, worker_id,
+                                                         self._result_queue, self._channel)
         self._index_queues.append(index_queue)
         self._stack_pipes.append(stack_pipe)
         self._workers.append(process)
@@ -129,7 +123,8 @@ class MultiProcessIterator(BaseIterator):
         """Start a new process as worker ``worker_id`` (see ``_restart.py``) and
         send it the tasks ``owed``: ``[(send_idx, (worker_id, batch_index, indices))]``."""
         spec = dataclasses.replace(self._spec, epoch=self._epoch)
-        index_queue, stack_pipe, process = self._launch(self._ctx, spec, worker_id)
+        index_queue, stack_pipe, process = launch_worker(self._ctx, spec, worker_id,
+                                                         self._result_queue, self._channel)
         self._index_queues[worker_id].close()
         self._stack_pipes[worker_id].close()
         self._index_queues[worker_id] = index_queue
@@ -142,37 +137,6 @@ class MultiProcessIterator(BaseIterator):
         if self._pin_thread is not None:
             self._start_pin_thread()
         return process
-
-    def _launch(self, ctx, spec: WorkerSpec, worker_id: int):
-        index_queue = IndexQueue(ctx)
-        stack_pipe = StackPipe(ctx)
-        process = ctx.Process(target=worker_loop, name=f"torchfeed-worker-{worker_id}",
-                              args=(spec, worker_id, index_queue.queue, self._result_queue,
-                                    self._channel),
-                              kwargs={"stack_pipe": stack_pipe.writer}, daemon=True)
-        try:
-            process.start()
-        except (TypeError, AttributeError, pickle.PicklingError) as exc:
-            index_queue.close()
-            stack_pipe.close()
-            method = ctx.get_start_method() if hasattr(ctx, "get_start_method") else "?"
-            parts = {"dataset": spec.dataset, "collate_fn": spec.collate_fn,
-                     "worker_init_fn": spec.worker_init_fn}
-            culprits = [f"{name}: {describe_unpicklable(value).replace('batch', name, 1)}"
-                        for name, value in parts.items()
-                        if value is not None and _unpicklable(value)]
-            detail = "; ".join(culprits) or str(exc)
-            raise type(exc)(
-                f"DataLoader could not start worker {worker_id} with the '{method}' start "
-                f"method, which pickles the dataset, collate_fn and worker_init_fn: {detail}. "
-                "Define them at module level (no lambdas or local functions), or use "
-                "multiprocessing_context='fork' where available.") from exc
-        except BaseException:
-            index_queue.close()
-            stack_pipe.close()
-            raise
-        stack_pipe.started()
-        return index_queue, stack_pipe, process
 
     # -- epochs ---------------------------------------------------------------
     def _reset(self, loader, first_iter: bool = False) -> None:
@@ -426,28 +390,13 @@ class MultiProcessIterator(BaseIterator):
         try:
             if self._pin_thread is not None:
                 self._pin_thread.stop()
-            for worker_id, process in enumerate(self._workers):
-                if process.is_alive():
-                    try:
-                        self._index_queues[worker_id].put(None)
-                    except (ValueError, OSError):
-                        pass  # queue already closed
-            deadline = time.monotonic() + SHUTDOWN_GRACE
-            for process in self._workers:
-                process.join(timeout=max(0.0, deadline - time.monotonic()))
-            for process in self._workers:
-                if process.is_alive():
-                    process.terminate()
-                    process.join(timeout=0.5)
-                if process.is_alive():
-                    process.kill()
-                    process.join(timeout=0.5)
+            stop_workers(self._workers, self._index_queues)
         finally:
             for index_queue in self._index_queues:
                 index_queue.close()
             for stack_pipe in self._stack_pipes:
                 stack_pipe.close()
-            _close_queue(self._result_queue)
+            close_queue(self._result_queue)
             self._unpacker.close()
             _live_iterators.discard(self)
 
@@ -490,19 +439,3 @@ def _weak_receive(iterator):
         return alive()._take_ready(ready, sentinels)
 
     return receive
-
-
-def _close_queue(q) -> None:
-    q.cancel_join_thread()
-    q.close()
-    feeder = getattr(q, "_thread", None)
-    if feeder is not None and feeder is not threading.current_thread():
-        feeder.join(timeout=1.0)
-
-
-def _unpicklable(value) -> bool:
-    try:
-        pickle.dumps(value)
-        return False
-    except Exception:
-        return True

@@ -20,8 +20,11 @@ from torchfeed import DataLoader
 SHUTDOWN_WITHIN = 2.5  # one shared second of grace, then terminate, with margin
 
 
-def _workers():
-    return [p.pid for p in psutil.Process().children()]
+def _workers(existing=frozenset()):
+    """This loader's workers: children that were not there before it (the
+    spawn start method's resource tracker, say, outlives the test that
+    started it)."""
+    return [p.pid for p in psutil.Process().children() if p.pid not in existing]
 
 
 def _wait_gone(pids, since):
@@ -46,6 +49,7 @@ CASES = [(how, c) for how in ("del-iterator", "break", "gc-cycle") for c in PAIR
 def test_drop_mid_epoch_with_busy_workers(how, loader_config, no_pin_warning):
     # 0.1 s a sample, 4 to a batch, 2 batches prefetched per worker: the workers
     # are in the middle of __getitem__ whenever the loader is dropped.
+    existing = frozenset(p.pid for p in psutil.Process().children())
     dataset = make_dataset(loader_config.kind, n=400, delay=0.1)
     loader = DataLoader(dataset, batch_size=4, num_workers=2, **loader_config.kwargs())
     gc.disable()
@@ -53,7 +57,7 @@ def test_drop_mid_epoch_with_busy_workers(how, loader_config, no_pin_warning):
         if how == "break":
             for step, batch in enumerate(loader):
                 if step == 1:
-                    workers = _workers()
+                    workers = _workers(existing)
                     break
             del batch
             started = time.time()
@@ -61,7 +65,7 @@ def test_drop_mid_epoch_with_busy_workers(how, loader_config, no_pin_warning):
         else:
             it = iter(loader)
             next(it)
-            workers = _workers()
+            workers = _workers(existing)
             if how == "gc-cycle":
                 it.cycle = it
                 loader.cycle = loader
