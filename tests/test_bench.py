@@ -16,7 +16,7 @@ import torch.utils.data
 from torchfeed._progress import Progress
 from torchfeed.bench.__main__ import main as bench_main
 from torchfeed.bench.compare import (BenchConfig, LoaderFigures, WorkloadResult,
-                                     run_comparison)
+                                     loader_class, run_comparison)
 from torchfeed.bench.measure import Timing, time_loader
 from torchfeed.bench.report import format_table
 from torchfeed.bench.workloads import WORKLOADS, SmallDataset
@@ -43,12 +43,16 @@ def test_bench_quick_prints_the_table_and_writes_json(tmp_path):
     assert "machine: " in out and "torch " + torch.__version__ in out
     assert ("command: python -m torchfeed.bench --quick --workloads small --num-workers 1 "
             "--batches 3 --json") in out
+    assert "vs num_workers=0, batches/s" in out and "torch@0" in out
     row = next(line for line in out.splitlines() if line.startswith("small "))
-    assert row.count("x") >= 4  # a ratio in each of the four column groups
+    # a ratio in each of the four torch-vs-torchfeed groups, two against num_workers=0
+    assert row.count("x") >= 6
     # Not a terminal: plain progress lines on stderr, one per run.
-    assert "torchfeed.bench [1/4] small torch warm-up" in proc.stderr
-    assert "torchfeed.bench [3/4] small torch run 1/1" in proc.stderr
-    assert "torchfeed.bench [4/4] small torchfeed run 1/1" in proc.stderr
+    assert "torchfeed.bench [1/6] small torch warm-up" in proc.stderr
+    assert "torchfeed.bench [3/6] small torch@0 warm-up" in proc.stderr
+    assert "torchfeed.bench [4/6] small torch run 1/1" in proc.stderr
+    assert "torchfeed.bench [5/6] small torchfeed run 1/1" in proc.stderr
+    assert "torchfeed.bench [6/6] small torch@0 run 1/1" in proc.stderr
 
     data = json.loads(out_json.read_text())
     assert data["command"].startswith("python -m torchfeed.bench --quick")
@@ -56,7 +60,8 @@ def test_bench_quick_prints_the_table_and_writes_json(tmp_path):
     assert data["config"]["num_workers"] == 1 and data["config"]["repeats"] == 1
     (result,) = data["results"]
     assert result["workload"] == "small" and result["batches"] == 3
-    for loader in ("torch", "torchfeed"):
+    assert data["config"]["baseline"] == "torch@0"
+    for loader in ("torch", "torchfeed", "torch@0"):
         figures = result[loader]
         assert FIGURES <= set(figures) and figures["error"] is None
         assert figures["batches_per_s"] > 0 and figures["first_batch_s"] > 0
@@ -65,6 +70,11 @@ def test_bench_quick_prints_the_table_and_writes_json(tmp_path):
     assert set(result["ratio"]) >= {"batches_per_s", "first_batch_s", "cpu_us_per_batch",
                                     "peak_mem_bytes"}
     assert result["ratio"]["batches_per_s"] > 0
+    vs_0 = result["batches_per_s_vs_num_workers_0"]
+    assert vs_0["torchfeed"] == pytest.approx(
+        result["torchfeed"]["batches_per_s"] / result["torch@0"]["batches_per_s"])
+    assert vs_0["torch"] == pytest.approx(
+        result["torch"]["batches_per_s"] / result["torch@0"]["batches_per_s"])
 
 
 def test_transport_reaches_torchfeed_only_when_given():
@@ -84,6 +94,18 @@ def test_bench_runs_each_transport(transport):
     for name in ("torch", "torchfeed"):
         assert result.figures[name].error is None
         assert result.figures[name].runs[0].batches == 2
+
+
+def test_baseline_is_torch_without_workers_and_can_be_left_out():
+    workload = WORKLOADS["small"]
+    config = BenchConfig(["small"], num_workers=2)
+    assert config.loaders() == ("torch", "torchfeed", "torch@0")
+    assert config.loader_kwargs("torch@0", workload)["num_workers"] == 0
+    assert config.loader_kwargs("torch", workload)["num_workers"] == 2
+    assert loader_class("torch@0") is torch.utils.data.DataLoader
+    # nothing to compare against when the loaders themselves run without workers
+    assert BenchConfig(["small"], num_workers=0).loaders() == ("torch", "torchfeed")
+    assert BenchConfig(["small"], baseline=False).loaders() == ("torch", "torchfeed")
 
 
 def test_unknown_workload_is_a_usage_error(capsys):
@@ -112,6 +134,17 @@ def test_table_medians_ratios_and_errors():
     assert "2.00x" in small_row and "0.50x" in small_row and "0.25x" in small_row
     image_row = next(l for l in table.splitlines() if l.startswith("image"))
     assert "error" in image_row and "x" not in image_row.replace("error", "")
+    assert "num_workers=0" not in table  # no baseline measured, no such columns
+
+    at_0 = LoaderFigures([_timing(r, 0.05, 3000.0, 50 << 20) for r in (80.0, 50.0, 400.0)])
+    with_base = WorkloadResult(WORKLOADS["small"], 10,
+                               {"torch": theirs, "torchfeed": ours, "torch@0": at_0})
+    assert with_base.ratio("batches_per_s", "torchfeed", "torch@0") == pytest.approx(2.5)
+    table = format_table([with_base])
+    assert "vs num_workers=0, batches/s" in table.splitlines()[0]
+    row = next(l for l in table.splitlines() if l.startswith("small"))
+    # torch@0's median 80, torch 100/80, torchfeed 200/80, after the four usual groups
+    assert row.split("|")[-1].split() == ["80.0", "1.25x", "2.50x"]
 
 
 @pytest.mark.timeout(60)

@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Sequence
 
-from .compare import TORCH, TORCHFEED, BenchConfig, run_comparison
+from .compare import BenchConfig, run_comparison
 from .report import command_line, format_report, machine_info, to_json
 from .workloads import WORKLOADS
 
@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "left out when not given, so torchfeed uses its default")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write machine-readable results to PATH")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the third loader, torch with num_workers=0, and the "
+                             "'vs num_workers=0' columns")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: a tenth of the batches and 1 repeat")
     parser.add_argument("--no-progress", action="store_true",
@@ -77,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         transport=args.transport,
         progress=not args.no_progress,
         quick=args.quick,
+        baseline=not args.no_baseline,
     )
     command = command_line(None if argv is None else [sys.argv[0], *argv])
     info = machine_info()
@@ -95,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(to_json(results, config, info, command) + "\n")
         print(f"results written to {args.json}")
-    failed = any(r.figures[name].error for r in results for name in (TORCH, TORCHFEED))
+    failed = any(f.error for r in results for f in r.figures.values())
     return 1 if failed else 0
 
 

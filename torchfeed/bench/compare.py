@@ -1,8 +1,9 @@
 """The side-by-side run: each workload through torch's DataLoader and torchfeed's.
 
 Owns the experiment design: both loaders get the same dataset object and the
-same arguments; their runs alternate (torch first on even repeats, torchfeed
-first on odd ones) so that a noisy neighbour or a warming cache hits both;
+same arguments; torch with ``num_workers=0`` runs beside them as the baseline
+that workers must beat; the runs rotate (a different loader goes first on
+each repeat) so that a noisy neighbour or a warming cache hits all of them;
 each figure is the median over repeats; a loader that fails is reported, not
 fatal to the other rows.
 """
@@ -22,6 +23,9 @@ from .workloads import WORKLOADS, Workload
 TORCH = "torch"
 TORCHFEED = "torchfeed"
 LOADERS = (TORCH, TORCHFEED)
+# torch's DataLoader with num_workers=0: what turning workers on has to beat.
+# On a small machine torch's workers lose to it on light workloads.
+BASELINE = "torch@0"
 
 # The figures that get a median and a ratio, with the direction that is better.
 METRICS: dict[str, str] = {
@@ -60,24 +64,29 @@ class WorkloadResult:
     batches: int
     figures: dict[str, LoaderFigures]
 
-    def ratio(self, metric: str) -> float | None:
-        """torchfeed / torch for ``metric``, or None when either side has no figure."""
-        ours = self.figures[TORCHFEED].median(metric)
-        theirs = self.figures[TORCH].median(metric)
-        if ours is None or theirs is None or theirs == 0:
+    def ratio(self, metric: str, ours: str = TORCHFEED, versus: str = TORCH) -> float | None:
+        """``ours`` / ``versus`` for ``metric``, or None when either side has no figure."""
+        if ours not in self.figures or versus not in self.figures:
             return None
-        return ours / theirs
+        mine = self.figures[ours].median(metric)
+        theirs = self.figures[versus].median(metric)
+        if mine is None or theirs is None or theirs == 0:
+            return None
+        return mine / theirs
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "workload": self.workload.name,
             "description": self.workload.description,
             "batch_size": self.workload.batch_size,
             "batches": self.batches,
-            TORCH: self.figures[TORCH].to_dict(),
-            TORCHFEED: self.figures[TORCHFEED].to_dict(),
+            **{name: figures.to_dict() for name, figures in self.figures.items()},
             "ratio": {m: self.ratio(m) for m in METRICS},
         }
+        if BASELINE in self.figures:
+            data["batches_per_s_vs_num_workers_0"] = {
+                name: self.ratio("batches_per_s", name, BASELINE) for name in LOADERS}
+        return data
 
 
 @dataclass
@@ -89,10 +98,16 @@ class BenchConfig:
     transport: str | None = None
     progress: bool = True
     quick: bool = False  # a tenth of each workload's default batches
+    baseline: bool = True  # also time torch at num_workers=0 (when num_workers > 0)
+
+    def loaders(self) -> tuple[str, ...]:
+        if self.baseline and self.num_workers > 0:
+            return LOADERS + (BASELINE,)
+        return LOADERS
 
     def loader_kwargs(self, name: str, workload: Workload) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"batch_size": workload.batch_size,
-                                  "num_workers": self.num_workers}
+                                  "num_workers": 0 if name == BASELINE else self.num_workers}
         # Only when asked: an unknown keyword must not reach a loader that lacks it.
         if name == TORCHFEED and self.transport is not None:
             kwargs["transport"] = self.transport
@@ -105,7 +120,7 @@ class BenchConfig:
 
 
 def loader_class(name: str) -> Callable[..., Any]:
-    if name == TORCH:
+    if name in (TORCH, BASELINE):
         return torch.utils.data.DataLoader
     import torchfeed  # late: a broken torchfeed must not stop torch's rows
 
@@ -125,7 +140,7 @@ def run_comparison(config: BenchConfig) -> list[WorkloadResult]:
         raise ValueError(f"unknown workload(s) {', '.join(unknown)}; "
                          f"choose from {', '.join(WORKLOADS)}")
     results = []
-    steps = len(config.workloads) * (config.repeats + 1) * len(LOADERS)
+    steps = len(config.workloads) * (config.repeats + 1) * len(config.loaders())
     with Progress(steps, "torchfeed.bench", enabled=config.progress) as bar:
         for name in config.workloads:
             results.append(_run_workload(WORKLOADS[name], config, bar))
@@ -138,11 +153,12 @@ def _run_workload(workload: Workload, config: BenchConfig, bar: Progress) -> Wor
     # when the run stops: the run ends mid-epoch, as a training step does.
     in_flight = 4 * max(1, config.num_workers)
     dataset = workload.dataset((batches + 1 + in_flight) * workload.batch_size)
-    figures = {name: LoaderFigures() for name in LOADERS}
+    loaders = config.loaders()
+    figures = {name: LoaderFigures() for name in loaders}
     # An untimed short run of each loader first: the first run in a process
     # pays one-off costs (allocator growth, lazy imports, the dataset's pages)
     # that would otherwise land on whichever loader happens to go first.
-    for name in LOADERS:
+    for name in loaders:
         bar.step(f"{workload.name} {name} warm-up")
         try:
             cls = loader_class(name)
@@ -151,7 +167,9 @@ def _run_workload(workload: Workload, config: BenchConfig, bar: Progress) -> Wor
         except Exception:
             pass  # the timed runs below fail the same way and report it
     for repeat in range(config.repeats):
-        order = LOADERS if repeat % 2 == 0 else LOADERS[::-1]
+        # Each loader goes first on its share of the repeats.
+        shift = repeat % len(loaders)
+        order = loaders[shift:] + loaders[:shift]
         for name in order:
             bar.step(f"{workload.name} {name} run {repeat + 1}/{config.repeats}")
             if figures[name].error is not None:

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy
 import torch
 
-from .compare import METRICS, TORCH, TORCHFEED, BenchConfig, WorkloadResult
+from .compare import BASELINE, METRICS, TORCH, TORCHFEED, BenchConfig, WorkloadResult
 from .measure import cpu_count
 
 _MIB = 1 << 20
@@ -83,46 +83,65 @@ def describe_machine(info: dict[str, Any]) -> str:
             f"Python {info['python']}, {info['platform']}{load_text}")
 
 
+def _cell(result: WorkloadResult, name: str, metric: str, show) -> str:
+    figures = result.figures.get(name)
+    if figures is None:
+        return "-"
+    value = figures.median(metric)
+    return "error" if figures.error and value is None else "-" if value is None else show(value)
+
+
+def _ratio_cell(result: WorkloadResult, metric: str, ours: str, versus: str) -> str:
+    ratio = result.ratio(metric, ours, versus)
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _groups(results: Sequence[WorkloadResult]):
+    """(title, column heads, one list of cells per result) for each group of columns."""
+    groups = []
+    for metric, title, direction, show in _COLUMNS:
+        rows = [[_cell(r, TORCH, metric, show), _cell(r, TORCHFEED, metric, show),
+                 _ratio_cell(r, metric, TORCHFEED, TORCH)] for r in results]
+        groups.append((f"{title} ({direction.split()[0]}=better)",
+                       [TORCH, TORCHFEED, "tf/torch"], rows))
+    if any(BASELINE in r.figures for r in results):
+        show = _COLUMNS[0][3]
+        rows = [[_cell(r, BASELINE, "batches_per_s", show),
+                 _ratio_cell(r, "batches_per_s", TORCH, BASELINE),
+                 _ratio_cell(r, "batches_per_s", TORCHFEED, BASELINE)] for r in results]
+        groups.append(("vs num_workers=0, batches/s", [BASELINE, "torch/@0", "tf/@0"], rows))
+    return groups
+
+
 def format_table(results: Sequence[WorkloadResult]) -> str:
-    """One row per workload; for each figure torch's, torchfeed's and torchfeed/torch."""
-    head1 = ["", ""]
-    head2 = ["workload", "batch"]
-    body: list[list[str]] = []
-    for _, title, direction, _ in _COLUMNS:
-        head1 += [f"{title} ({direction.split()[0]}=better)", "", ""]
-        head2 += [TORCH, TORCHFEED, "tf/torch"]
-    for result in results:
-        row = [result.workload.name, str(result.workload.batch_size)]
-        for metric, _, _, show in _COLUMNS:
-            for name in (TORCH, TORCHFEED):
-                figures = result.figures[name]
-                value = figures.median(metric)
-                row.append("error" if figures.error and value is None else
-                           "-" if value is None else show(value))
-            ratio = result.ratio(metric)
-            row.append("-" if ratio is None else f"{ratio:.2f}x")
-        body.append(row)
+    """One row per workload; for each figure torch's, torchfeed's and torchfeed/torch.
 
-    # Width of a group title spreads over its three columns.
-    widths = [max(len(r[i]) for r in [head2] + body) for i in range(len(head2))]
-    for g in range(len(_COLUMNS)):
-        cols = range(2 + 3 * g, 5 + 3 * g)
-        need = len(head1[2 + 3 * g]) - (sum(widths[c] for c in cols) + 4)
-        if need > 0:
+    With the num_workers=0 baseline measured, a last group shows torch's
+    batches/s at num_workers=0 and what each loader's workers make of it.
+    """
+    groups = _groups(results)
+    head2 = ["workload", "batch"] + [h for _, heads, _ in groups for h in heads]
+    body = [[r.workload.name, str(r.workload.batch_size)]
+            + [c for _, _, rows in groups for c in rows[i]] for i, r in enumerate(results)]
+    widths = [max(len(row[i]) for row in [head2] + body) for i in range(len(head2))]
+    spans, first = [], 2
+    for title, heads, _ in groups:
+        cols = list(range(first, first + len(heads)))
+        need = len(title) - (sum(widths[c] for c in cols) + 2 * (len(cols) - 1))
+        if need > 0:  # the group's title spreads over its columns
             widths[cols[-1]] += need
+        spans.append(cols)
+        first += len(heads)
 
-    def line(cells: list[str], group_titles: bool = False) -> str:
+    def line(cells: list[str]) -> str:
         parts = [cells[0].ljust(widths[0]), cells[1].rjust(widths[1])]
-        for g in range(len(_COLUMNS)):
-            cols = list(range(2 + 3 * g, 5 + 3 * g))
-            if group_titles:
-                span = sum(widths[c] for c in cols) + 4
-                parts.append(cells[cols[0]].ljust(span))
-            else:
-                parts.append("  ".join(cells[c].rjust(widths[c]) for c in cols))
+        parts += ["  ".join(cells[c].rjust(widths[c]) for c in cols) for cols in spans]
         return (parts[0] + "  " + parts[1] + " | " + " | ".join(parts[2:])).rstrip()
 
-    lines = [line(head1, group_titles=True), line(head2)]
+    titles = [title.ljust(sum(widths[c] for c in cols) + 2 * (len(cols) - 1))
+              for (title, _, _), cols in zip(groups, spans)]
+    lead = " " * (widths[0] + 2 + widths[1])
+    lines = [(lead + " | " + " | ".join(titles)).rstrip(), line(head2)]
     lines.append("-" * len(lines[1]))
     lines += [line(r) for r in body]
     return "\n".join(lines)
@@ -147,9 +166,13 @@ def format_report(results: Sequence[WorkloadResult], config: BenchConfig,
         "process + its workers, plus /dev/shm growth.",
         "Figures are medians; on a shared or busy machine they move between runs.",
     ]
+    if BASELINE in config.loaders():
+        lines.insert(-1, f"vs num_workers=0: {BASELINE} is torch's DataLoader with num_workers=0 "
+                         "in the same run; torch/@0 and tf/@0 are each loader's batches/s with "
+                         f"num_workers={config.num_workers} over it (above 1.00x: the workers "
+                         "pay off).")
     for result in results:
-        for name in (TORCH, TORCHFEED):
-            figures = result.figures[name]
+        for name, figures in result.figures.items():
             if figures.error:
                 lines.append(f"error: {name} on {result.workload.name}: {figures.error}")
             leftover = max((r.leftover_processes for r in figures.runs), default=0)
@@ -170,6 +193,7 @@ def to_json(results: Sequence[WorkloadResult], config: BenchConfig,
             "batches": config.batches,
             "repeats": config.repeats,
             "transport": config.transport,
+            "baseline": BASELINE if BASELINE in config.loaders() else None,
         },
         "metrics": {m: f"{direction} is better" for m, direction in METRICS.items()},
         "results": [r.to_dict() for r in results],
