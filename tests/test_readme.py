@@ -56,3 +56,28 @@ def test_train_ddp_example_runs_and_resumes_at_another_scale(tmp_path):
     assert "resuming epoch 2 on 1 processes" in second, second
     assert re.search(r"^epoch 2: loss \d", second, re.M), second
     assert "epoch 0:" not in second and "epoch 1:" not in second
+
+
+@pytest.mark.timeout(120)
+def test_stall_demo_prints_a_data_bound_summary(tmp_path):
+    """The "Is my training data-bound?" example, run as written.
+
+    Loading a batch takes 2 workers x 32 x 2 ms against a 10 ms step, so the
+    loop waits on data whatever the machine's speed: the verdict is fixed, the
+    figures are not asserted beyond their shape.
+    """
+    script = tmp_path / "stall_demo.py"
+    script.write_text(python_block("# stall_demo.py"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(README.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    proc = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.startswith("torchfeed loader stats: epoch 0, 2 workers, transport shm, finished")
+    assert re.search(r"^  batches yielded +40 in [\d.]+ s", out, re.M), out
+    stall = re.search(r"^  data stall +([\d.]+)% \(blocked in __next__", out, re.M)
+    assert stall and float(stall.group(1)) > 30, out
+    workers = re.findall(r"^  ([01]) +\d+ +(\d+) +\d+% +[\d.]+$", out, re.M)
+    assert [w for w, _ in workers] == ["0", "1"] and sum(int(n) for _, n in workers) == 40, out
+    assert "verdict             data-bound" in out, out
