@@ -25,7 +25,8 @@ The format (version 1), plain values only, so it survives ``json`` and
      "out_of_order_yielded": [[batch_index, samples], ...],  # in_order=False only
      "base_seed": int | None, "draws_base_seed": bool,      # the epoch drew its base seed
      "epoch_start_rng": {"generator": str | None, "global": str, "samplers": [str, ...]} | None,
-     "sampler_state": {"protocol": "position" | "epoch_start", "state": ...} | None,
+     "sampler_state": {"protocol": "position" | "epoch_start" | "set_epoch",
+                       "state": ...} | None,  # set_epoch: {"epoch", "num_replicas"}
      "worker_states": [state | None, ...] | None,           # stateful IterableDataset only
      "exhausted_workers": [int, ...],  # their stream ended with the last batch yielded
      "next_worker": int}
@@ -36,7 +37,10 @@ checks everything it can up front (``_state_validation.py``) and raises
 at the next ``iter()``.  One exception: a finished epoch is replayed (indices
 only) inside ``load_state_dict``, so the loader's and the sampler's generators,
 and a stateful sampler, are where the uninterrupted run had them before the
-user's loop calls ``set_epoch`` again.
+user's loop calls ``set_epoch`` again.  A sampler that has ``set_epoch`` but no
+state (torch's ``DistributedSampler``) is set to the saved epoch there; a
+mid-epoch state then refuses, at ``iter()``, a sampler the user has since set to
+another epoch, and ``load_state_dict`` refuses one at another ``num_replicas``.
 
 Who else draws from the global RNG is the training loop's business: without a
 ``generator``, the epoch in progress is replayed from the state alone, and later
@@ -170,6 +174,7 @@ def load_state_dict(loader, state) -> None:
         loader._iterator = None
     epoch = state["epoch"]
     carries = loader.num_workers == 0 or probe.persistent  # the same dataset copies go on
+    probe.restore_sampler_epoch(state)
     if state["epoch_start_rng"] is None:  # saved before its epoch started
         plan = Plan(epoch)
     elif state["epoch_finished"]:

@@ -176,6 +176,24 @@ def _check_sampler_state(sampler_state, probe: IndexStream) -> None:
             type(probe.index_sampler).__name__
         _fail(f"field 'sampler_state' was saved from a sampler with protocol {theirs!r} but "
               f"this DataLoader's sampler ({what}) has {mine!r}; use the same sampler")
+    if theirs == "set_epoch":
+        _check_epoch_state(sampler_state["state"], probe.sampler)
+
+
+def _check_epoch_state(saved, sampler) -> None:
+    """A ``"set_epoch"`` sampler has no state to say its order; the world size must match."""
+    if not isinstance(saved, Mapping) or not _type_ok(saved.get("epoch"), _INT) \
+            or not _type_ok(saved.get("num_replicas"), _OPT_INT):
+        _fail("field 'sampler_state' of protocol 'set_epoch' must hold {'epoch': int, "
+              f"'num_replicas': int or None}}, got {saved!r}")
+    theirs, mine = saved["num_replicas"], getattr(sampler, "num_replicas", None)
+    if theirs is not None and mine is not None and theirs != mine:
+        _fail(f"field 'sampler_state' was saved at world size {theirs} (num_replicas) but "
+              f"this {type(sampler).__name__} runs at world size {mine}. torch's "
+              "DistributedSampler deals the epoch differently at each world size, so the "
+              "saved position names other samples here. Use torchfeed.DistributedSampler "
+              "(same arguments) to resume at another world size, or resume at world size "
+              f"{theirs}")
 
 
 def _check_out_of_order_world_size(sampler_state, pairs, probe: IndexStream) -> None:
