@@ -24,10 +24,10 @@ positions without loading any data.  The global RNG is only ever touched inside
 """
 from __future__ import annotations
 
-import base64
-
 import torch
 from torch.utils.data import BatchSampler, IterableDataset
+
+from ._rng import draw_base_seed, encode_rng, replaying
 
 NO_STATE = object()  # a batch that came without a dataset state
 _NOTHING = object()
@@ -53,19 +53,6 @@ class StatefulResult:
     def pin_memory(self):  # the pin-memory thread pins what is inside
         from ._pin_memory import pin_memory
         return StatefulResult(pin_memory(self.value), self.state, self.ended)
-
-
-def encode_rng(state: torch.Tensor) -> str:
-    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
-
-
-def decode_rng(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
-
-
-def draw_base_seed(generator) -> int:
-    """torch's per-iterator base seed, drawn from the loader's generator or the global RNG."""
-    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 def stateful_sampler(index_sampler):
@@ -362,29 +349,3 @@ class IndexStream:
         if self.sampler_start_state is not None:  # "epoch_start" or "set_epoch"
             return {"protocol": self.sampler_protocol, "state": self.sampler_start_state}
         return None
-
-
-class replaying:
-    """Set the RNGs back to an epoch's start; the global one only for the duration.
-
-    The loader's generator and the sampler's own generators stay where the
-    replay leaves them: that is where the uninterrupted run had them.
-    """
-
-    def __init__(self, generator, generators, rng: dict) -> None:
-        self._generator, self._generators, self._rng = generator, generators, rng
-        self._fork = None
-
-    def __enter__(self):
-        rng = self._rng
-        if rng["generator"] is not None and self._generator is not None:
-            self._generator.set_state(decode_rng(rng["generator"]))
-        for g, text in zip(self._generators, rng["samplers"]):
-            g.set_state(decode_rng(text))
-        self._fork = torch.random.fork_rng(devices=[])
-        self._fork.__enter__()
-        torch.set_rng_state(decode_rng(rng["global"]))
-        return self
-
-    def __exit__(self, *exc):
-        return self._fork.__exit__(*exc)
