@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import BatchSampler, IterableDataset
 
-from ._rng import draw_base_seed, encode_rng, replaying
+from ._rng import draw_base_seed, drawing_from, encode_rng, replaying
 
 NO_STATE = object()  # a batch that came without a dataset state
 _NOTHING = object()
@@ -163,16 +163,17 @@ class IndexStream:
         if plan.state is not None:
             self._resume(plan.state, fresh)
             return
-        self._capture()
-        self._sampler_iter = iter(self.index_sampler)
-        if fresh:
-            if plan.base_seed is not None:  # persistent workers: one base seed for all epochs
-                self.base_seed, self.draws_base_seed = plan.base_seed, False
+        with drawing_from(plan.global_rng):  # also what _capture records as the start
+            self._capture()
+            self._sampler_iter = iter(self.index_sampler)
+            if fresh:
+                if plan.base_seed is not None:  # persistent workers: one base seed for all
+                    self.base_seed, self.draws_base_seed = plan.base_seed, False
+                else:
+                    self.base_seed, self.draws_base_seed = draw_base_seed(self.generator), True
             else:
-                self.base_seed, self.draws_base_seed = draw_base_seed(self.generator), True
-        else:
-            self.draws_base_seed = False
-        self._peek()
+                self.draws_base_seed = False
+            self._peek()
 
     def _peek(self) -> None:
         """Take the first batch of indices now, at iter().

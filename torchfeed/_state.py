@@ -29,7 +29,11 @@ The format (version 1), plain values only, so it survives ``json`` and
                        "state": ...} | None,  # set_epoch: {"epoch", "num_replicas"}
      "worker_states": [state | None, ...] | None,           # stateful IterableDataset only
      "exhausted_workers": [int, ...],  # their stream ended with the last batch yielded
-     "next_worker": int}
+     "next_worker": int,
+     "next_epoch_global_rng": str | None}  # epoch_finished only: the global RNG at state_dict()
+
+``next_epoch_global_rng`` was added within version 1; a state without it loads
+as if it were None.
 
 RNG states are base64 strings of the generators' byte states.  ``load_state_dict``
 checks everything it can up front (``_state_validation.py``) and raises
@@ -42,19 +46,33 @@ state (torch's ``DistributedSampler``) is set to the saved epoch there; a
 mid-epoch state then refuses, at ``iter()``, a sampler the user has since set to
 another epoch, and ``load_state_dict`` refuses one at another ``num_replicas``.
 
-Who else draws from the global RNG is the training loop's business: without a
-``generator``, the epoch in progress is replayed from the state alone, and later
-epochs draw from the global RNG as torch does, so they match the uninterrupted
-run when the checkpoint also restores ``torch.get_rng_state()``.
+The global RNG belongs to the training loop; what is guaranteed without a
+``generator`` (the shuffle and base seed then come from it, as in torch):
+
+* the epoch in progress is replayed from the state alone;
+* a state taken at the end of an epoch records the global RNG as it was at that
+  ``state_dict()``.  At the next ``iter()``, if the live global RNG is still
+  there (the checkpoint restored it), the epoch draws from it as torch does.
+  Otherwise the epoch's draws at its start (the base seed, and what the sampler
+  draws up to its first batch: ``RandomSampler``'s seed) come from the recorded
+  state inside ``fork_rng``, leaving the live global RNG alone, and become the
+  epoch's ``epoch_start_rng``.  Either way the epoch is the uninterrupted run's
+  if that run drew nothing from the global RNG between the ``state_dict()`` and
+  its next ``iter()``;
+* after a state taken inside an epoch, later epochs draw from the live global
+  RNG, so they match the uninterrupted run only when the checkpoint also
+  restores ``torch.get_rng_state()``.
 """
 from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
 
+import torch
 from torch.utils.data import IterableDataset
 
 from ._index_stream import IndexStream, StatefulResult
+from ._rng import encode_rng
 from ._state_validation import KIND, VERSION, validate
 from .distributed import rank_and_world_size
 
@@ -62,7 +80,7 @@ from .distributed import rank_and_world_size
 class Plan:
     """What the next epoch started on a loader is: its number, and what to restore."""
 
-    __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted")
+    __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted", "global_rng")
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__}
@@ -72,12 +90,13 @@ class Plan:
             setattr(self, name, value)
 
     def __init__(self, epoch: int, state=None, base_seed=None, worker_states=None,
-                 exhausted=()) -> None:
+                 exhausted=(), global_rng=None) -> None:
         self.epoch = epoch
         self.state = state                  # a state whose epoch this one continues
         self.base_seed = base_seed          # persistent workers keep one base seed
         self.worker_states = worker_states  # IterableDataset states to load first
         self.exhausted = exhausted          # workers with nothing left this epoch
+        self.global_rng = global_rng        # a new epoch's draws come from this global RNG
 
 
 class ResumeBook:
@@ -140,7 +159,8 @@ def state_dict(loader) -> dict:
         state.update(epoch=book.next_epoch, epoch_finished=False, batches_yielded=0,
                      samples_yielded=0, out_of_order_yielded=[], base_seed=None,
                      draws_base_seed=True, epoch_start_rng=None, sampler_state=None,
-                     worker_states=None, exhausted_workers=[], next_worker=0)
+                     worker_states=None, exhausted_workers=[], next_worker=0,
+                     next_epoch_global_rng=None)
         return state
     state["epoch"] = s.epoch
     state["epoch_finished"] = s.finished
@@ -155,6 +175,9 @@ def state_dict(loader) -> dict:
     state["worker_states"] = list(s.worker_states) if s.ships_state else None
     state["exhausted_workers"] = sorted(s.exhausted) if s.exhausted else []
     state["next_worker"] = s.first_worker
+    # Only a finished epoch's state pays for the encoding; a state inside an epoch
+    # replays that epoch from epoch_start_rng instead.
+    state["next_epoch_global_rng"] = encode_rng(torch.get_rng_state()) if s.finished else None
     return state
 
 
@@ -181,7 +204,8 @@ def load_state_dict(loader, state) -> None:
         probe.replay_to_end(state)
         plan = Plan(epoch + 1,
                     base_seed=state["base_seed"] if probe.persistent else None,
-                    worker_states=state["worker_states"] if carries else None)
+                    worker_states=state["worker_states"] if carries else None,
+                    global_rng=state["next_epoch_global_rng"])
     else:
         plan = Plan(epoch, state=state, worker_states=state["worker_states"],
                     exhausted=tuple(state["exhausted_workers"]))

@@ -29,6 +29,8 @@ _FIELDS = {
     "worker_states": "list or None", "exhausted_workers": "list", "next_worker": _INT,
     "world_size": _OPT_INT,
 }
+# Added within version 1: a state saved before they existed lacks them and still loads.
+_OPTIONAL_FIELDS = {"next_epoch_global_rng": "str or None"}
 
 
 def _fail(message: str):
@@ -44,6 +46,8 @@ def _type_ok(value, expected: str) -> bool:
         return isinstance(value, bool)
     if expected == "str":
         return isinstance(value, str)
+    if expected == "str or None":
+        return value is None or isinstance(value, str)
     if expected == "list":
         return isinstance(value, (list, tuple))
     if expected == "dict or None":
@@ -67,7 +71,8 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
     if missing:
         _fail(f"the state is missing field(s) {', '.join(map(repr, missing))}; it is "
               "corrupted or from another version")
-    for field, expected in _FIELDS.items():
+    state = {**{f: None for f in _OPTIONAL_FIELDS}, **state}
+    for field, expected in {**_FIELDS, **_OPTIONAL_FIELDS}.items():
         if not _type_ok(state[field], expected):
             _fail(f"field {field!r} must be {expected}, got {state[field]!r}")
     if state["version"] != VERSION:
@@ -106,6 +111,12 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
     rng = state["epoch_start_rng"]
     if rng is not None:
         _check_rng(rng, loader, probe)
+    next_rng = state["next_epoch_global_rng"]
+    if next_rng is not None:
+        if not state["epoch_finished"]:
+            _fail("field 'next_epoch_global_rng' is set but 'epoch_finished' is False; only a "
+                  "state taken at the end of an epoch records it")
+        _check_rng_text("'next_epoch_global_rng'", next_rng, torch.get_rng_state())
     if state["base_seed"] is None and rng is not None:
         _fail("field 'base_seed' is None in a state whose epoch started")
     _check_sampler_state(state["sampler_state"], probe)
@@ -153,13 +164,17 @@ def _check_rng(rng: Mapping, loader, probe: IndexStream) -> None:
     for i, (text, g) in enumerate(zip(samplers, probe.generators)):
         expected.append((f"samplers[{i}]", text, g.get_state()))
     for name, text, current in expected:
-        try:
-            raw = base64.b64decode(text, validate=True)
-        except (binascii.Error, TypeError, ValueError):
-            _fail(f"field 'epoch_start_rng'[{name!r}] is not a base64 RNG state")
-        if len(raw) != current.numel():
-            _fail(f"field 'epoch_start_rng'[{name!r}] holds {len(raw)} bytes but this "
-                  f"generator's state is {current.numel()} bytes")
+        _check_rng_text(f"'epoch_start_rng'[{name!r}]", text, current)
+
+
+def _check_rng_text(field: str, text, current) -> None:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        _fail(f"field {field} is not a base64 RNG state")
+    if len(raw) != current.numel():
+        _fail(f"field {field} holds {len(raw)} bytes but this generator's state is "
+              f"{current.numel()} bytes")
 
 
 def _check_sampler_state(sampler_state, probe: IndexStream) -> None:
