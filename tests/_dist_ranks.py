@@ -1,7 +1,7 @@
 """One rank of a real gloo process group, launched by tests/test_distributed.py.
 
     python -m torch.distributed.run --standalone --nproc_per_node=N \
-        tests/_dist_ranks.py OUT_DIR [--save] [--resume-from DIR]
+        tests/_dist_ranks.py OUT_DIR [--save] [--resume-from DIR] [--torch-sampler-from DIR]
 
 Writes OUT_DIR/rank{RANK}.json (map-style scenarios) and
 OUT_DIR/rank{RANK}-iterable.json: the sample ids this rank saw, per scenario.
@@ -110,6 +110,31 @@ def loader_level(res, args, saved, chained, nw):
         res[f"{key}/chain-rest"] = ids_of(loader)
 
 
+def torch_sampler_level(res, args, nw):
+    """torch's own DistributedSampler (no state_dict) under the loader: its epoch is in
+    loader.state_dict(); rank 0's state resumes every rank at the saved world size, and
+    any other world size is refused at load_state_dict."""
+    key = f"torch-sampler/nw{nw}"
+    if args.save:
+        sampler = torch.utils.data.distributed.DistributedSampler(Ids(), shuffle=True, seed=SEED)
+        sampler.set_epoch(1)
+        loader = make_loader(Ids(), sampler, nw)
+        it = iter(loader)
+        taken = [next(it) for _ in range(SAVE_STEP)]
+        res[f"{key}/save"] = {"ids": ids_of(taken), "state": json.loads(json.dumps(loader.state_dict()))}
+        del it
+    if args.torch_sampler_from:
+        saved = json.loads((Path(args.torch_sampler_from) / "rank0.json").read_text())
+        sampler = torch.utils.data.distributed.DistributedSampler(Ids(), shuffle=True, seed=SEED)
+        loader = make_loader(Ids(), sampler, nw)
+        try:
+            loader.load_state_dict(saved[f"{key}/save"]["state"])
+        except ValueError as e:
+            res[f"{key}/error"] = str(e)
+            return
+        res[f"{key}/rest"] = ids_of(loader)  # no set_epoch: the state brings epoch 1 back
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -117,6 +142,7 @@ def main():
     p.add_argument("--resume-from")
     p.add_argument("--save-chain", action="store_true")
     p.add_argument("--chain-from")
+    p.add_argument("--torch-sampler-from")
     args = p.parse_args()
 
     # A hang fails the launch with every thread's stack instead of blocking the test.
@@ -179,6 +205,8 @@ def main():
         for epoch in (0, 1):
             sampler.set_epoch(epoch)
             res[f"torch-sampler/nw{nw}/e{epoch}"] = ids_of(loader)
+        if LOADER_STATE:
+            torch_sampler_level(res, args, nw)
 
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(res))
 

@@ -485,12 +485,13 @@ def runs(tmp_path_factory):
         if name not in cache:
             if name == "n2":
                 cache[name] = Launch(2, base / name, "--save")
-            elif name == "n2-again":
-                cache[name] = Launch(2, base / name)
+            elif name == "n2-again":  # also resumes torch's sampler from n2
+                get("n2")
+                cache[name] = Launch(2, base / name, "--torch-sampler-from", str(base / "n2"))
             elif name == "n3":  # resumes from n2, and checkpoints again for n1
                 get("n2")
                 cache[name] = Launch(3, base / name, "--resume-from", str(base / "n2"),
-                                     "--save-chain")
+                                     "--save-chain", "--torch-sampler-from", str(base / "n2"))
             else:
                 get("n3")
                 cache[name] = Launch(1, base / name, "--resume-from", str(base / "n2"),
@@ -637,3 +638,21 @@ def test_process_group_loader_state_resumes_2_to_3_to_1(runs):
         taken += list(itertools.chain(*(r[f"{key}/chain-save"]["ids"] for r in second)))
         assert sorted(taken) == sorted(full[:c])
         assert third[0][f"{key}/chain-rest"] == full[c:]
+
+
+@pytest.mark.timeout(420)
+def test_process_group_torch_sampler_resumes_only_at_the_saved_world_size(runs):
+    before, same, other = runs("n2"), runs("n2-again"), runs("n3")
+    c = script.SAVE_STEP * script.BATCH
+    expected = torch_epoch(2, 1, False)
+    for nw in script.WORKERS:
+        key = f"torch-sampler/nw{nw}"
+        assert [r[f"{key}/save"]["ids"] for r in before] == [e[:c] for e in expected]
+        # rank 0's state on both ranks: each rank's own rest of epoch 1, exactly
+        assert [r[f"{key}/rest"] for r in same] == [e[c:] for e in expected]
+        for r in other:
+            message = r[f"{key}/error"]
+            assert "world size 2" in message and "world size 3" in message, message
+            assert "torchfeed.DistributedSampler" in message
+        assert before[0][f"{key}/save"]["state"]["sampler_state"] == {
+            "protocol": "set_epoch", "state": {"epoch": 1, "num_replicas": 2}}

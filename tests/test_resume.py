@@ -113,6 +113,57 @@ def test_current_epoch_is_exact_without_restoring_the_global_rng():
         check_resume(make, k, epochs=1, restore_global=False)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
+def test_next_epoch_is_exact_after_a_finished_epoch_state_without_restoring_the_global_rng(
+        num_workers, persistent):
+    """The README's example: a state taken after an epoch's StopIteration, a new process
+    whose global RNG is elsewhere (model init drew from it), nothing restored: the next
+    epoch's shuffle (and base seed) still come out as in the uninterrupted run."""
+    make = make_for("shuffle", num_workers=num_workers, persistent_workers=persistent)
+    check_resume(make, L, epochs=2, finished=True, restore_global=False)
+
+
+def test_finished_epoch_state_leaves_the_live_global_rng_alone_and_its_epoch_resumes():
+    """Drawn from the recorded RNG, epoch 1 records that as its start, so a checkpoint
+    inside it resumes exactly too."""
+    make = make_for("shuffle")
+    torch.manual_seed(SEED)
+    reference = make()
+    full = [[ids(b) for b in reference] for _ in range(2)]
+    torch.manual_seed(SEED)
+    loader = make()
+    assert [ids(b) for b in loader] == full[0]
+    state = json.loads(json.dumps(loader.state_dict()))
+
+    torch.manual_seed(99)
+    before = torch.get_rng_state()
+    resumed = make()
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    assert torch.equal(torch.get_rng_state(), before)
+    taken = [ids(next(it)) for _ in range(2)]
+    mid = json.loads(json.dumps(resumed.state_dict()))
+    torch.manual_seed(7)
+    again = make()
+    again.load_state_dict(mid)
+    assert taken + [ids(b) for b in again] == full[1]
+
+
+def test_finished_epoch_state_without_the_recorded_global_rng_still_loads():
+    """States saved before the field existed (still version 1) draw from the live RNG."""
+    loader = make_for("shuffle")()
+    [ids(b) for b in loader]
+    state = loader.state_dict()
+    assert state["next_epoch_global_rng"] is not None
+    old = {k: v for k, v in state.items() if k != "next_epoch_global_rng"}
+    resumed = make_for("shuffle")()
+    resumed.load_state_dict(old)
+    assert len([ids(b) for b in resumed]) == L
+    with pytest.raises(ValueError, match="'next_epoch_global_rng'"):
+        make_for("shuffle")().load_state_dict(dict(state, next_epoch_global_rng="AAAA"))
+
+
 def test_resume_does_not_touch_the_callers_global_rng():
     make = make_for("shuffle")
     torch.manual_seed(SEED)

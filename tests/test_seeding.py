@@ -148,3 +148,48 @@ def test_each_epoch_draws_a_new_base_seed_without_persistent_workers():
                                       generator=torch.Generator().manual_seed(0))
     first, second = list(persistent), list(persistent)
     assert first[0]["seed"] == second[0]["seed"]  # the workers, and their seeds, are kept
+
+
+# -- seed_per_batch in the main process ----------------------------------------------------
+def _per_batch(num_workers):
+    loader = torchfeed.DataLoader(RandomAugment(), batch_size=3, shuffle=True,
+                                  num_workers=num_workers, seed_per_batch=True,
+                                  generator=torch.Generator().manual_seed(5))
+    return [[t.tolist() for t in batch] for _ in range(2) for batch in loader]
+
+
+def _all_global_rngs():
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+
+
+@pytest.mark.timeout(60)
+def test_seed_per_batch_in_the_main_process_leaves_the_callers_rngs_alone():
+    """num_workers=0 reseeds for each batch in the training process itself: the caller's
+    CPU generator, random and numpy come back, and the augmentations are the workers'."""
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    before = _all_global_rngs()
+    main = _per_batch(0)
+    after = _all_global_rngs()
+    assert torch.equal(before[0], after[0]) and before[1] == after[1]
+    assert np.array_equal(before[2], after[2])
+    assert main == _per_batch(2)
+
+
+def test_seed_per_batch_in_the_main_process_does_not_reseed_every_device(monkeypatch):
+    """torch.manual_seed also reseeds every CUDA (and other accelerator) generator, which
+    belong to the training loop and are not put back; in the main process only the CPU
+    generator is seeded.  Observed on CPU by counting torch.manual_seed calls (it still
+    runs); with CUDA, test_seed_per_batch_keeps_the_cuda_rng checks the effect itself."""
+    calls = []
+    real = torch.manual_seed
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: calls.append(seed) or real(seed))
+    assert len(_per_batch(0)) == 8
+    assert calls == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_seed_per_batch_keeps_the_cuda_rng():
+    torch.cuda.manual_seed_all(11)
+    before = torch.cuda.get_rng_state_all()
+    _per_batch(0)
+    assert all(torch.equal(a, b) for a, b in zip(before, torch.cuda.get_rng_state_all()))

@@ -15,18 +15,19 @@ whole of a checkpoint for a map-style dataset (see ``_state.py``):
 
 At the start of each epoch the stream records what is needed to rebuild it:
 the states of the RNGs the sampler and the base seed draw from (the loader's
-``generator``, the global torch RNG, and generators the sampler owns), and the
-state of a sampler that has ``state_dict`` but no ``state_dict_at``.  A resume
-sets those RNGs back, remakes the sampler's iterator and skips the consumed
+``generator``, the global torch RNG, and generators the sampler owns), the
+state of a sampler that has ``state_dict`` but no ``state_dict_at``, and the
+epoch of one that has only ``set_epoch`` (torch's ``DistributedSampler``).  A
+resume sets those RNGs back, remakes the sampler's iterator and skips the consumed
 positions without loading any data.  The global RNG is only ever touched inside
 ``torch.random.fork_rng``, so the training loop's own randomness is left alone.
 """
 from __future__ import annotations
 
-import base64
-
 import torch
 from torch.utils.data import BatchSampler, IterableDataset
+
+from ._rng import draw_base_seed, drawing_from, encode_rng, replaying
 
 NO_STATE = object()  # a batch that came without a dataset state
 _NOTHING = object()
@@ -54,27 +55,17 @@ class StatefulResult:
         return StatefulResult(pin_memory(self.value), self.state, self.ended)
 
 
-def encode_rng(state: torch.Tensor) -> str:
-    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
-
-
-def decode_rng(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
-
-
-def draw_base_seed(generator) -> int:
-    """torch's per-iterator base seed, drawn from the loader's generator or the global RNG."""
-    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-
-
 def stateful_sampler(index_sampler):
     """(sampler, protocol) for the sampler whose state a checkpoint keeps, or (None, None).
 
     ``"position"``: it has ``state_dict_at(consumed)`` (state after ``consumed`` of
     its items were used) and ``load_state_dict``; ``"epoch_start"``: it has only
-    ``state_dict``/``load_state_dict``, captured when the epoch starts.  The
-    sampler inside torch's own ``BatchSampler`` counts too; other batch
-    samplers may buffer, so only their own methods are used.
+    ``state_dict``/``load_state_dict``, captured when the epoch starts;
+    ``"set_epoch"``: no state of its own, but ``set_epoch`` and an int ``epoch``
+    (torch's ``DistributedSampler``), whose epoch and ``num_replicas`` are
+    captured when the epoch starts.  The sampler inside torch's own
+    ``BatchSampler`` counts too; other batch samplers may buffer, so only their
+    own methods are used.
     """
     candidates = [index_sampler]
     if type(index_sampler) is BatchSampler:
@@ -86,7 +77,19 @@ def stateful_sampler(index_sampler):
             return candidate, "position"
         if callable(getattr(candidate, "state_dict", None)):
             return candidate, "epoch_start"
+    for candidate in candidates:
+        epoch = getattr(candidate, "epoch", None)
+        if callable(getattr(candidate, "set_epoch", None)) and isinstance(epoch, int) \
+                and not isinstance(epoch, bool):
+            return candidate, "set_epoch"
     return None, None
+
+
+def epoch_state(sampler) -> dict:
+    """A ``"set_epoch"`` sampler's state: what its order depends on besides the dataset."""
+    replicas = getattr(sampler, "num_replicas", None)
+    return {"epoch": int(sampler.epoch),
+            "num_replicas": replicas if isinstance(replicas, int) else None}
 
 
 def sampler_generators(index_sampler, loader_generator) -> list:
@@ -130,6 +133,8 @@ class IndexStream:
         otherwise persistent workers starting another epoch.
         """
         previous = self.book.live
+        if self.book.plan is not None and self.book.plan.state is not None:
+            self._check_sampler_epoch(self.book.plan.state)  # before the plan is used up
         plan = self.book.begin(self)
         self.epoch = plan.epoch
         self.finished = False
@@ -158,16 +163,17 @@ class IndexStream:
         if plan.state is not None:
             self._resume(plan.state, fresh)
             return
-        self._capture()
-        self._sampler_iter = iter(self.index_sampler)
-        if fresh:
-            if plan.base_seed is not None:  # persistent workers: one base seed for all epochs
-                self.base_seed, self.draws_base_seed = plan.base_seed, False
+        with drawing_from(plan.global_rng):  # also what _capture records as the start
+            self._capture()
+            self._sampler_iter = iter(self.index_sampler)
+            if fresh:
+                if plan.base_seed is not None:  # persistent workers: one base seed for all
+                    self.base_seed, self.draws_base_seed = plan.base_seed, False
+                else:
+                    self.base_seed, self.draws_base_seed = draw_base_seed(self.generator), True
             else:
-                self.base_seed, self.draws_base_seed = draw_base_seed(self.generator), True
-        else:
-            self.draws_base_seed = False
-        self._peek()
+                self.draws_base_seed = False
+            self._peek()
 
     def _peek(self) -> None:
         """Take the first batch of indices now, at iter().
@@ -190,8 +196,10 @@ class IndexStream:
             "global": encode_rng(torch.get_rng_state()),
             "samplers": [encode_rng(g.get_state()) for g in self.generators],
         }
-        self.sampler_start_state = (self.sampler.state_dict()
-                                    if self.sampler_protocol == "epoch_start" else None)
+        protocol = self.sampler_protocol
+        self.sampler_start_state = (self.sampler.state_dict() if protocol == "epoch_start"
+                                    else epoch_state(self.sampler) if protocol == "set_epoch"
+                                    else None)
 
     def _resume(self, state: dict, fresh: bool) -> None:
         self.rng = state["epoch_start_rng"]
@@ -213,7 +221,8 @@ class IndexStream:
                 self.consumed_offset = self._consumed_units()
             elif sampler_state is not None:
                 self.sampler_start_state = sampler_state["state"]
-                self.sampler.load_state_dict(sampler_state["state"])
+                if sampler_state["protocol"] == "epoch_start":
+                    self.sampler.load_state_dict(sampler_state["state"])
             self._sampler_iter = iter(self.index_sampler)
             if self.draws_base_seed and fresh:
                 draw_base_seed(self.generator)  # keeps the generator in step
@@ -229,6 +238,27 @@ class IndexStream:
                 next(self._sampler_iter, None)
             self._next_pos = self.frontier
             self._peek()  # inside the replay, as the sampler may draw from the global RNG
+
+    def restore_sampler_epoch(self, state: dict) -> None:
+        """Give a ``"set_epoch"`` sampler the saved epoch, so a fresh one replays that
+        epoch's order even if the user's loop does not call ``set_epoch`` first."""
+        sampler_state = state["sampler_state"]
+        if sampler_state is not None and sampler_state["protocol"] == "set_epoch":
+            self.sampler.set_epoch(sampler_state["state"]["epoch"])
+
+    def _check_sampler_epoch(self, state: dict) -> None:
+        """A mid-epoch state continues one epoch of the sampler's order: refuse another."""
+        sampler_state = state["sampler_state"]
+        if sampler_state is None or sampler_state["protocol"] != "set_epoch":
+            return
+        saved, now = sampler_state["state"]["epoch"], self.sampler.epoch
+        if now != saved:
+            raise ValueError(
+                f"this DataLoader resumes a checkpoint taken in epoch {saved} of its "
+                f"{type(self.sampler).__name__}, but set_epoch({now}) was called after "
+                f"load_state_dict, so the sampler would deal epoch {now}'s order and the "
+                f"rest of epoch {saved} would be wrong. Call set_epoch({saved}) (or leave "
+                "the epoch load_state_dict set) to finish the checkpoint's epoch first")
 
     def replay_to_end(self, state: dict) -> None:
         """Run a finished epoch's index stream to its end, loading nothing.
@@ -317,32 +347,6 @@ class IndexStream:
         if self.sampler_protocol == "position":
             consumed = self._consumed_units() - self.consumed_offset
             return {"protocol": "position", "state": self.sampler.state_dict_at(consumed)}
-        if self.sampler_protocol == "epoch_start" and self.sampler_start_state is not None:
-            return {"protocol": "epoch_start", "state": self.sampler_start_state}
+        if self.sampler_start_state is not None:  # "epoch_start" or "set_epoch"
+            return {"protocol": self.sampler_protocol, "state": self.sampler_start_state}
         return None
-
-
-class replaying:
-    """Set the RNGs back to an epoch's start; the global one only for the duration.
-
-    The loader's generator and the sampler's own generators stay where the
-    replay leaves them: that is where the uninterrupted run had them.
-    """
-
-    def __init__(self, generator, generators, rng: dict) -> None:
-        self._generator, self._generators, self._rng = generator, generators, rng
-        self._fork = None
-
-    def __enter__(self):
-        rng = self._rng
-        if rng["generator"] is not None and self._generator is not None:
-            self._generator.set_state(decode_rng(rng["generator"]))
-        for g, text in zip(self._generators, rng["samplers"]):
-            g.set_state(decode_rng(text))
-        self._fork = torch.random.fork_rng(devices=[])
-        self._fork.__enter__()
-        torch.set_rng_state(decode_rng(rng["global"]))
-        return self
-
-    def __exit__(self, *exc):
-        return self._fork.__exit__(*exc)

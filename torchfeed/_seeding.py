@@ -46,9 +46,19 @@ def batch_seed(base_seed: int, epoch: int, batch_index: int) -> int:
     return ((hi << 32) | lo) & 0x7FFFFFFFFFFFFFFF
 
 
-def seed_batch(base_seed: int, epoch: int, batch_index: int) -> None:
-    """Reseed torch, ``random`` and numpy for one batch (per-batch seeding)."""
+def seed_batch(base_seed: int, epoch: int, batch_index: int, *, cpu_only: bool = False) -> None:
+    """Reseed torch, ``random`` and numpy for one batch (per-batch seeding).
+
+    ``cpu_only``: seed torch's CPU generator alone, for the main process
+    (``num_workers=0``).  ``torch.manual_seed`` also reseeds every CUDA (and
+    other accelerator) generator, and in the main process those belong to the
+    training loop; only the CPU generator is put back after the batch.  The CPU
+    draws are the same either way, so batches equal the workers' ones.
+    """
     seed = batch_seed(base_seed, epoch, batch_index)
     random.seed(seed)
-    torch.manual_seed(seed)
+    if cpu_only:
+        torch.default_generator.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
     np.random.seed(numpy_worker_state(seed, 0))

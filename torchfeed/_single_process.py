@@ -2,7 +2,8 @@
 
 Errors from the dataset or ``collate_fn`` propagate untouched, as in torch.
 With per-batch seeding the RNGs are seeded for each batch as a worker would
-seed them, and the caller's RNG state is put back afterwards so the training
+seed them (torch's CPU generator only: the accelerators' generators are left
+alone), and the caller's RNG state is put back afterwards so the training
 loop's own randomness is not disturbed.
 """
 from __future__ import annotations
@@ -51,12 +52,12 @@ class SingleProcessIterator(BaseIterator):
         self._make_fetcher()
 
     def _fetch_seeded(self, batch_index: int, indices):
-        saved = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+        saved = (torch.default_generator.get_state(), random.getstate(), np.random.get_state())
         try:
-            _seeding.seed_batch(self._base_seed, self._epoch, batch_index)
+            _seeding.seed_batch(self._base_seed, self._epoch, batch_index, cpu_only=True)
             return self._fetcher.fetch(indices)
         finally:
-            torch.set_rng_state(saved[0])
+            torch.default_generator.set_state(saved[0])
             random.setstate(saved[1])
             np.random.set_state(saved[2])
 

@@ -1,0 +1,225 @@
+"""Checking a state before ``load_state_dict`` applies it.
+
+Owns the format's version, its field table and every check a state must pass
+before it touches the loader (the format itself is described in ``_state.py``).
+Each failure raises ``ValueError`` naming the field and both values, so a
+state that cannot apply never silently starts the loader from scratch.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping
+
+import torch
+
+from ._index_stream import IndexStream
+from .distributed import check_iterable_world_size
+
+VERSION = 1
+KIND = "torchfeed.DataLoader"
+
+_INT, _BOOL, _OPT_INT = "int", "bool", "int or None"
+_FIELDS = {
+    "version": _INT, "dataset_kind": "str", "dataset_len": _OPT_INT, "batch_size": _OPT_INT,
+    "drop_last": _BOOL, "num_workers": _INT, "persistent_workers": _BOOL, "epoch": _INT,
+    "epoch_finished": _BOOL, "batches_yielded": _INT, "samples_yielded": _INT,
+    "out_of_order_yielded": "list", "base_seed": _OPT_INT, "draws_base_seed": _BOOL,
+    "epoch_start_rng": "dict or None", "sampler_state": "dict or None",
+    "worker_states": "list or None", "exhausted_workers": "list", "next_worker": _INT,
+    "world_size": _OPT_INT,
+}
+# Added within version 1: a state saved before they existed lacks them and still loads.
+_OPTIONAL_FIELDS = {"next_epoch_global_rng": "str or None"}
+
+
+def _fail(message: str):
+    raise ValueError(f"cannot load this DataLoader state: {message}")
+
+
+def _type_ok(value, expected: str) -> bool:
+    if expected == _INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if expected == _OPT_INT:
+        return value is None or (isinstance(value, int) and not isinstance(value, bool))
+    if expected == _BOOL:
+        return isinstance(value, bool)
+    if expected == "str":
+        return isinstance(value, str)
+    if expected == "str or None":
+        return value is None or isinstance(value, str)
+    if expected == "list":
+        return isinstance(value, (list, tuple))
+    if expected == "dict or None":
+        return value is None or isinstance(value, Mapping)
+    if expected == "list or None":
+        return value is None or isinstance(value, (list, tuple))
+    return True
+
+
+def validate(state, header: dict, loader, probe: IndexStream) -> dict:
+    if not isinstance(state, Mapping):
+        _fail(f"expected a dict from DataLoader.state_dict(), got {type(state).__name__}")
+    kind = state.get("kind")
+    if kind != KIND:
+        hint = ""
+        if any(str(k).startswith("_") for k in state):
+            hint = " (it looks like torchdata's StatefulDataLoader state)"
+        _fail(f"field 'kind' is {kind!r} but this loader is {KIND!r}{hint}; pass the dict "
+              "that torchfeed's DataLoader.state_dict() returned")
+    missing = [f for f in _FIELDS if f not in state]
+    if missing:
+        _fail(f"the state is missing field(s) {', '.join(map(repr, missing))}; it is "
+              "corrupted or from another version")
+    state = {**{f: None for f in _OPTIONAL_FIELDS}, **state}
+    for field, expected in {**_FIELDS, **_OPTIONAL_FIELDS}.items():
+        if not _type_ok(state[field], expected):
+            _fail(f"field {field!r} must be {expected}, got {state[field]!r}")
+    if state["version"] != VERSION:
+        _fail(f"field 'version' is {state['version']} but this torchfeed reads version {VERSION}")
+    for field in ("dataset_kind", "dataset_len", "batch_size", "drop_last"):
+        if state[field] != header[field]:
+            _fail(f"field {field!r} is {state[field]!r} in the state but {header[field]!r} in "
+                  "this DataLoader; build it with the same dataset, batch_size and drop_last "
+                  "as the run that saved the state")
+    iterable = header["dataset_kind"] == "iterable"
+    if iterable:
+        try:
+            check_iterable_world_size(state["world_size"], header["world_size"])
+        except ValueError as exc:
+            _fail(f"field 'world_size': {exc}")
+    if iterable and state["num_workers"] != header["num_workers"]:
+        _fail(f"field 'num_workers' is {state['num_workers']} in the state but "
+              f"{header['num_workers']} in this DataLoader; an IterableDataset's stream is "
+              "split across workers, so it resumes only with the same num_workers "
+              "(map-style datasets resume with any)")
+    for field in ("epoch", "batches_yielded", "samples_yielded", "next_worker"):
+        if state[field] < 0:
+            _fail(f"field {field!r} must be >= 0, got {state[field]}")
+    ooo = state["out_of_order_yielded"]
+    try:
+        pairs = [(int(p), int(n)) for p, n in ooo]
+    except (TypeError, ValueError):
+        _fail(f"field 'out_of_order_yielded' must be a list of [batch_index, samples] pairs, "
+              f"got {ooo!r}")
+    frontier = state["batches_yielded"] - len(pairs)
+    positions = [p for p, _ in pairs]
+    if frontier < 0 or any(p <= frontier for p in positions) \
+            or len(set(positions)) != len(positions) or any(n < 1 for _, n in pairs):
+        _fail(f"field 'out_of_order_yielded' ({ooo!r}) does not fit batches_yielded="
+              f"{state['batches_yielded']}")
+    rng = state["epoch_start_rng"]
+    if rng is not None:
+        _check_rng(rng, loader, probe)
+    next_rng = state["next_epoch_global_rng"]
+    if next_rng is not None:
+        if not state["epoch_finished"]:
+            _fail("field 'next_epoch_global_rng' is set but 'epoch_finished' is False; only a "
+                  "state taken at the end of an epoch records it")
+        _check_rng_text("'next_epoch_global_rng'", next_rng, torch.get_rng_state())
+    if state["base_seed"] is None and rng is not None:
+        _fail("field 'base_seed' is None in a state whose epoch started")
+    _check_sampler_state(state["sampler_state"], probe)
+    _check_out_of_order_world_size(state["sampler_state"], pairs, probe)
+    ws = state["worker_states"]
+    slots = max(1, header["num_workers"])
+    if ws is not None:
+        if not probe.ships_state:
+            _fail(f"the state has worker_states but {type(loader.dataset).__name__} has no "
+                  "state_dict()/load_state_dict()")
+        if len(ws) != slots:
+            _fail(f"field 'worker_states' has {len(ws)} entries but this DataLoader has {slots} "
+                  "worker slot(s)")
+    elif probe.ships_state and state["batches_yielded"] > 0 and not state["epoch_finished"]:
+        _fail(f"field 'worker_states' is None but {type(loader.dataset).__name__} has "
+              "state_dict(); the state was saved from a loader over another dataset")
+    bad = [w for w in state["exhausted_workers"]
+           if not isinstance(w, int) or isinstance(w, bool) or not 0 <= w < slots]
+    if bad:
+        _fail(f"field 'exhausted_workers' names worker(s) {bad} but there are {slots} worker(s)")
+    if iterable and state["next_worker"] >= slots:
+        _fail(f"field 'next_worker' is {state['next_worker']} but there are {slots} worker(s)")
+    out = dict(state)
+    out["out_of_order_yielded"] = [list(p) for p in pairs]
+    return out
+
+
+def _check_rng(rng: Mapping, loader, probe: IndexStream) -> None:
+    for key in ("generator", "global", "samplers"):
+        if key not in rng:
+            _fail(f"field 'epoch_start_rng' lacks {key!r}")
+    has_gen = rng["generator"] is not None
+    if has_gen != (loader.generator is not None):
+        _fail(f"field 'epoch_start_rng' {'has' if has_gen else 'has no'} generator state but "
+              f"this DataLoader was built {'without' if has_gen else 'with'} generator=; pass "
+              "the same kind of generator as the run that saved the state")
+    samplers = rng["samplers"]
+    if not isinstance(samplers, (list, tuple)) or len(samplers) != len(probe.generators):
+        n = len(samplers) if isinstance(samplers, (list, tuple)) else samplers
+        _fail(f"field 'epoch_start_rng' has {n} sampler generator state(s) but this "
+              f"DataLoader's sampler has {len(probe.generators)} generator(s)")
+    expected = [("global", rng["global"], torch.get_rng_state())]
+    if has_gen:
+        expected.append(("generator", rng["generator"], loader.generator.get_state()))
+    for i, (text, g) in enumerate(zip(samplers, probe.generators)):
+        expected.append((f"samplers[{i}]", text, g.get_state()))
+    for name, text, current in expected:
+        _check_rng_text(f"'epoch_start_rng'[{name!r}]", text, current)
+
+
+def _check_rng_text(field: str, text, current) -> None:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        _fail(f"field {field} is not a base64 RNG state")
+    if len(raw) != current.numel():
+        _fail(f"field {field} holds {len(raw)} bytes but this generator's state is "
+              f"{current.numel()} bytes")
+
+
+def _check_sampler_state(sampler_state, probe: IndexStream) -> None:
+    mine = probe.sampler_protocol
+    if sampler_state is None:
+        return  # a sampler captured nothing, or the epoch had not started
+    if not isinstance(sampler_state, Mapping) or "protocol" not in sampler_state \
+            or "state" not in sampler_state:
+        _fail(f"field 'sampler_state' must be {{'protocol': ..., 'state': ...}}, got "
+              f"{sampler_state!r}")
+    theirs = sampler_state["protocol"]
+    if theirs != mine:
+        what = type(probe.sampler).__name__ if probe.sampler is not None else \
+            type(probe.index_sampler).__name__
+        _fail(f"field 'sampler_state' was saved from a sampler with protocol {theirs!r} but "
+              f"this DataLoader's sampler ({what}) has {mine!r}; use the same sampler")
+    if theirs == "set_epoch":
+        _check_epoch_state(sampler_state["state"], probe.sampler)
+
+
+def _check_epoch_state(saved, sampler) -> None:
+    """A ``"set_epoch"`` sampler has no state to say its order; the world size must match."""
+    if not isinstance(saved, Mapping) or not _type_ok(saved.get("epoch"), _INT) \
+            or not _type_ok(saved.get("num_replicas"), _OPT_INT):
+        _fail("field 'sampler_state' of protocol 'set_epoch' must hold {'epoch': int, "
+              f"'num_replicas': int or None}}, got {saved!r}")
+    theirs, mine = saved["num_replicas"], getattr(sampler, "num_replicas", None)
+    if theirs is not None and mine is not None and theirs != mine:
+        _fail(f"field 'sampler_state' was saved at world size {theirs} (num_replicas) but "
+              f"this {type(sampler).__name__} runs at world size {mine}. torch's "
+              "DistributedSampler deals the epoch differently at each world size, so the "
+              "saved position names other samples here. Use torchfeed.DistributedSampler "
+              "(same arguments) to resume at another world size, or resume at world size "
+              f"{theirs}")
+
+
+def _check_out_of_order_world_size(sampler_state, pairs, probe: IndexStream) -> None:
+    """Out-of-order positions name samples only in the stream they were yielded from."""
+    if not pairs or sampler_state is None or sampler_state["protocol"] != "position":
+        return
+    saved = sampler_state["state"].get("world_size") if isinstance(
+        sampler_state["state"], Mapping) else None
+    mine = getattr(probe.sampler, "num_replicas", None)
+    if saved is not None and mine is not None and saved != mine:
+        _fail(f"field 'out_of_order_yielded' lists batches yielded out of order "
+              f"(in_order=False) at world size {saved}; at world size {mine} the sampler "
+              "re-deals the rest of the epoch, so those positions name other samples. Resume "
+              f"at world size {saved}, or checkpoint with in_order=True")
