@@ -134,6 +134,8 @@ def test_worker_init_fn_error():
     assert type(ours) is type(theirs) is OSError
     assert "Caught OSError in DataLoader worker process 1" in str(ours)
     assert "worker_init_fn failed in worker 1" in str(ours)
+    # Worker 1's failure answers its first task, batch 1: the error names that batch's samples.
+    assert "in worker_init_fn, so it could not load batch 1 (sample indices [2, 3])" in str(ours)
     assert "in failing_worker_init" in str(ours)
     assert len(got) == 1  # worker 0's batch came first, in order
 

@@ -65,6 +65,7 @@ class WorkerFailure:
         self.where = where
         self.indices = _index_list(indices)
         self.batch_index = batch_index
+        self.in_setup = False  # raised before any task: see ``cost``
         self.exc_name = type(exc).__name__
         self.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         # The type crosses only if it can be rebuilt on the other side; else
@@ -74,12 +75,24 @@ class WorkerFailure:
         except Exception:
             self.exc_type = None
 
+    def cost(self, indices, batch_index: int) -> "WorkerFailure":
+        """A failure in the worker's set-up (``worker_init_fn``, loading a
+        resumed state) is sent as the answer to its first task, as torch does:
+        name that task's batch and samples, which the user never gets."""
+        self.indices = _index_list(indices)
+        self.batch_index = batch_index
+        self.in_setup = True
+        return self
+
     def message(self) -> str:
         if self.worker_id < 0:  # raised in the main process's own threads
             return f"Caught {self.exc_name} in {self.where}.\nOriginal {self.traceback}"
         context = f"in DataLoader worker process {self.worker_id}"
         if self.batch_index is not None:
-            context += f" while {self.where} batch {self.batch_index}"
+            if self.in_setup:
+                context += f" in {self.where}, so it could not load batch {self.batch_index}"
+            else:
+                context += f" while {self.where} batch {self.batch_index}"
             if self.indices is not None and any(i is not None for i in self.indices):
                 context += f" (sample indices {_format_indices(self.indices)})"
         elif self.where:
