@@ -3,6 +3,7 @@ RuntimeError fallback), the worker's traceback, the worker id and the sample
 indices; timeouts and dead workers raise RuntimeError and never hang."""
 from __future__ import annotations
 
+import errno
 import re
 import time
 import traceback
@@ -12,6 +13,8 @@ import torch
 import torch.utils.data
 
 import torchfeed
+from torchfeed import _errors
+from torchfeed._worker import _explain_send_error
 from loader_helpers import Snapshot, assert_same, live_children, warm_up
 from sample_datasets import (BadIndexError, DyingDataset, FailingDataset, FailingIterIterable,
                              LockDataset, RangeDataset, ShardedIterable, SlowIndexDataset,
@@ -138,6 +141,42 @@ def test_worker_init_fn_error():
     assert "in worker_init_fn, so it could not load batch 1 (sample indices [2, 3])" in str(ours)
     assert "in failing_worker_init" in str(ours)
     assert len(got) == 1  # worker 0's batch came first, in order
+
+
+# -- explanatory notes without BaseException.add_note (Python 3.10) ------------------------
+SHM_FULL = ("unable to allocate shared memory(shm) for file </torch_1_2_3>: "
+            "No space left on device (28)")
+
+
+@pytest.mark.parametrize("exc,shown", [
+    (IndexError("list index out of range"), "list index out of range"),
+    (KeyError("img_7"), "'img_7'"),  # KeyError shows the repr of its key
+    (IndexError(), ""),
+    (OSError(errno.ENOSPC, "No space left on device"), "[Errno 28] No space left on device"),
+], ids=["IndexError", "KeyError", "no-message", "OSError"])
+def test_note_goes_under_the_message_where_add_note_is_missing(monkeypatch, exc, shown):
+    # Python 3.10's BaseException has no add_note: what its traceback prints is
+    # type and str(exc), and the note must be there, on a line of its own.
+    monkeypatch.setattr(_errors, "_NATIVE_NOTES", False)
+    _errors.add_note(exc, "the note")
+    printed = "".join(traceback.format_exception_only(type(exc), exc))
+    expected = f"{shown}\nthe note" if shown else "the note"
+    assert printed == f"{type(exc).__name__}: {expected}\n", printed
+    assert not getattr(exc, "__notes__", None)  # carried by the message itself
+
+
+def test_note_is_native_where_add_note_exists():
+    exc = IndexError("list index out of range")
+    _errors.add_note(exc, "the note")
+    assert exc.args == ("list index out of range",) and exc.__notes__ == ["the note"]
+
+
+def test_full_dev_shm_note_shows_where_add_note_is_missing(monkeypatch):
+    monkeypatch.setattr(_errors, "_NATIVE_NOTES", False)
+    exc = RuntimeError(SHM_FULL)
+    _explain_send_error(exc)
+    assert str(exc).startswith(SHM_FULL + "\n"), str(exc)
+    assert "/dev/shm is full" in str(exc) and "--shm-size" in str(exc), str(exc)
 
 
 # -- unpicklable samples -------------------------------------------------------------------

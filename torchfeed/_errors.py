@@ -124,6 +124,48 @@ class WorkerFailure:
             del exc
 
 
+# Python 3.11 added BaseException.add_note, whose notes the traceback prints
+# under the message; 3.10 (which we support) has no such thing.
+_NATIVE_NOTES = hasattr(BaseException, "add_note")
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` where the interpreter has it; elsewhere append the
+    note to the exception's message, the only text a 3.10 traceback shows.
+
+    The fallback makes the exception's one argument its message so far (what
+    ``str(exc)`` gave) plus the note (for an OSError, its ``strerror``), so the
+    traceback shows what it would have shown, with the note under it.  ``args``
+    change with it, on 3.10 only.  An exception whose own ``__str__`` ignores
+    both cannot carry the note; it is left as it was.
+    """
+    if _NATIVE_NOTES:
+        exc.add_note(note)
+        return
+    _append_to_message(exc, note)
+
+
+def _append_to_message(exc: BaseException, note: str) -> None:
+    saved = exc.args, getattr(exc, "strerror", None)
+    try:
+        if isinstance(exc, OSError) and exc.strerror:
+            # "[Errno 28] No space left on device" is built from errno and
+            # strerror, not from args.
+            exc.strerror = f"{exc.strerror}\n{note}"
+        else:
+            shown = str(exc)
+            # KeyError shows the repr of its argument: KeyErrorMessage keeps
+            # the note from turning into one long quoted line.
+            exc.args = (KeyErrorMessage(f"{shown}\n{note}" if shown else note),)
+        if note in str(exc):
+            return
+    except Exception:
+        pass
+    exc.args = saved[0]
+    if saved[1] is not None:
+        exc.strerror = saved[1]
+
+
 def _as_int(index):
     try:
         return operator.index(index)
@@ -136,8 +178,6 @@ def explain_lookup_error(exc: LookupError, dataset, index, batched: bool = False
     KeyError raised by the dataset: the two usual causes are a sampler that
     yields indices out of range and a ``__len__`` that promises more samples
     than ``__getitem__`` serves.  The exception's type and message are kept."""
-    if not hasattr(exc, "add_note"):  # Python < 3.11
-        return
     try:
         n = len(dataset)
     except Exception:
@@ -145,7 +185,7 @@ def explain_lookup_error(exc: LookupError, dataset, index, batched: bool = False
     if batched:
         bad = [i for i in map(_as_int, index) if i is not None and not -n <= i < n]
         if bad:
-            exc.add_note(f"The sampler asked for index {bad[0]}, but len(dataset) is {n}: "
+            add_note(exc, f"The sampler asked for index {bad[0]}, but len(dataset) is {n}: "
                          f"out of range ({len(bad)} such in this batch). Check the sampler "
                          f"(or batch_sampler): it must yield indices in [0, {n}).")
         return
@@ -153,11 +193,11 @@ def explain_lookup_error(exc: LookupError, dataset, index, batched: bool = False
     if i is None:
         return
     if not -n <= i < n:
-        exc.add_note(f"The sampler asked for index {i}, but len(dataset) is {n}: out of "
+        add_note(exc, f"The sampler asked for index {i}, but len(dataset) is {n}: out of "
                      f"range. Check the sampler (or batch_sampler): it must yield indices in "
                      f"[0, {n}).")
     else:
-        exc.add_note(f"dataset[{i}] raised {type(exc).__name__}, but len(dataset) is {n}, so "
+        add_note(exc, f"dataset[{i}] raised {type(exc).__name__}, but len(dataset) is {n}, so "
                      f"index {i} should exist. Does __len__ promise more samples than "
                      f"__getitem__ can serve?")
 

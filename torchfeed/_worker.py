@@ -38,7 +38,7 @@ import torch
 import torch.utils.data._utils.worker as _torch_worker
 
 from . import _seeding, _stack_dump
-from ._errors import WorkerFailure
+from ._errors import WorkerFailure, add_note
 from ._fetch import create_fetcher
 from ._index_stream import StatefulResult
 from ._pickling import describe_unpicklable, find_unpicklable
@@ -150,10 +150,8 @@ def _batch_in(payload):
 
 def _explain_send_error(exc: Exception) -> None:
     text = str(exc).lower()
-    if not hasattr(exc, "add_note"):  # Python < 3.11
-        return
     if "shared memory" in text or "shm" in text or getattr(exc, "errno", None) == errno.ENOSPC:
-        exc.add_note(
+        add_note(exc,
             "This batch went through torch's transport (transport='torch', or a batch that did "
             "not fit torchfeed's shared-memory slots), which puts every tensor in /dev/shm, and "
             "/dev/shm is full. Give it more room (docker run --shm-size=2g, or a larger tmpfs), "
