@@ -4,10 +4,13 @@ indices; timeouts and dead workers raise RuntimeError and never hang."""
 from __future__ import annotations
 
 import errno
+import os
 import re
+import signal
 import time
 import traceback
 
+import psutil
 import pytest
 import torch
 import torch.utils.data
@@ -280,10 +283,38 @@ def test_dead_worker_raises_runtime_error_naming_it(how):
 
 
 @pytest.mark.timeout(60)
-def test_dead_worker_while_idle_iterable_does_not_hang():
-    # One worker's stream ends (it exits cleanly); the other still delivers.
+def test_worker_whose_iterable_ended_exits_without_being_taken_for_dead():
+    # Worker 2's share is one sample, so it ends first and exits cleanly while the
+    # others still deliver: the epoch completes, with no dead-worker error and no hang.
     out = list(torchfeed.DataLoader(ShardedIterable(0, 5), batch_size=2, num_workers=3))
     assert sorted(int(row[0]) for b in out for row in b) == list(range(5))
+
+
+@pytest.mark.timeout(60)
+def test_worker_killed_while_the_iterator_is_idle_is_reported_at_the_next_batch():
+    warm_up()
+    before = Snapshot()
+    loader = torchfeed.DataLoader(ShardedIterable(0, 80), batch_size=2, num_workers=2)
+    it = iter(loader)
+    got = [next(it)]
+    pid = loader.stats()["workers"][1]["pid"]
+    os.kill(pid, signal.SIGKILL)  # while nobody is in next(): the iterator is idle
+    deadline = time.monotonic() + 5
+    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the killed worker did not die"
+        time.sleep(0.01)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        for batch in it:  # what worker 1 sent before it died may come first
+            got.append(batch)
+    traceback.clear_frames(info.value.__traceback__)
+    assert time.monotonic() - start < 5, "noticed within seconds, not at the epoch's end"
+    message = str(info.value)
+    assert (f"DataLoader worker 1 (pid {pid}) exited unexpectedly: it was killed by signal "
+            "SIGKILL (9)") in message, message
+    assert len(got) < 40  # the epoch (40 batches) did not run to its end
+    del it, info, got  # held batches keep their slots (and fds) alive
+    before.wait_clean(within=3)  # worker 0 was shut down too
 
 
 # -- nothing left behind after an error ----------------------------------------------------------
