@@ -3,15 +3,21 @@ RuntimeError fallback), the worker's traceback, the worker id and the sample
 indices; timeouts and dead workers raise RuntimeError and never hang."""
 from __future__ import annotations
 
+import errno
+import os
 import re
+import signal
 import time
 import traceback
 
+import psutil
 import pytest
 import torch
 import torch.utils.data
 
 import torchfeed
+from torchfeed import _errors
+from torchfeed._worker import _explain_send_error
 from loader_helpers import Snapshot, assert_same, live_children, warm_up
 from sample_datasets import (BadIndexError, DyingDataset, FailingDataset, FailingIterIterable,
                              LockDataset, RangeDataset, ShardedIterable, SlowIndexDataset,
@@ -134,8 +140,46 @@ def test_worker_init_fn_error():
     assert type(ours) is type(theirs) is OSError
     assert "Caught OSError in DataLoader worker process 1" in str(ours)
     assert "worker_init_fn failed in worker 1" in str(ours)
+    # Worker 1's failure answers its first task, batch 1: the error names that batch's samples.
+    assert "in worker_init_fn, so it could not load batch 1 (sample indices [2, 3])" in str(ours)
     assert "in failing_worker_init" in str(ours)
     assert len(got) == 1  # worker 0's batch came first, in order
+
+
+# -- explanatory notes without BaseException.add_note (Python 3.10) ------------------------
+SHM_FULL = ("unable to allocate shared memory(shm) for file </torch_1_2_3>: "
+            "No space left on device (28)")
+
+
+@pytest.mark.parametrize("exc,shown", [
+    (IndexError("list index out of range"), "list index out of range"),
+    (KeyError("img_7"), "'img_7'"),  # KeyError shows the repr of its key
+    (IndexError(), ""),
+    (OSError(errno.ENOSPC, "No space left on device"), "[Errno 28] No space left on device"),
+], ids=["IndexError", "KeyError", "no-message", "OSError"])
+def test_note_goes_under_the_message_where_add_note_is_missing(monkeypatch, exc, shown):
+    # Python 3.10's BaseException has no add_note: what its traceback prints is
+    # type and str(exc), and the note must be there, on a line of its own.
+    monkeypatch.setattr(_errors, "_NATIVE_NOTES", False)
+    _errors.add_note(exc, "the note")
+    printed = "".join(traceback.format_exception_only(type(exc), exc))
+    expected = f"{shown}\nthe note" if shown else "the note"
+    assert printed == f"{type(exc).__name__}: {expected}\n", printed
+    assert not getattr(exc, "__notes__", None)  # carried by the message itself
+
+
+def test_note_is_native_where_add_note_exists():
+    exc = IndexError("list index out of range")
+    _errors.add_note(exc, "the note")
+    assert exc.args == ("list index out of range",) and exc.__notes__ == ["the note"]
+
+
+def test_full_dev_shm_note_shows_where_add_note_is_missing(monkeypatch):
+    monkeypatch.setattr(_errors, "_NATIVE_NOTES", False)
+    exc = RuntimeError(SHM_FULL)
+    _explain_send_error(exc)
+    assert str(exc).startswith(SHM_FULL + "\n"), str(exc)
+    assert "/dev/shm is full" in str(exc) and "--shm-size" in str(exc), str(exc)
 
 
 # -- unpicklable samples -------------------------------------------------------------------
@@ -239,10 +283,38 @@ def test_dead_worker_raises_runtime_error_naming_it(how):
 
 
 @pytest.mark.timeout(60)
-def test_dead_worker_while_idle_iterable_does_not_hang():
-    # One worker's stream ends (it exits cleanly); the other still delivers.
+def test_worker_whose_iterable_ended_exits_without_being_taken_for_dead():
+    # Worker 2's share is one sample, so it ends first and exits cleanly while the
+    # others still deliver: the epoch completes, with no dead-worker error and no hang.
     out = list(torchfeed.DataLoader(ShardedIterable(0, 5), batch_size=2, num_workers=3))
     assert sorted(int(row[0]) for b in out for row in b) == list(range(5))
+
+
+@pytest.mark.timeout(60)
+def test_worker_killed_while_the_iterator_is_idle_is_reported_at_the_next_batch():
+    warm_up()
+    before = Snapshot()
+    loader = torchfeed.DataLoader(ShardedIterable(0, 80), batch_size=2, num_workers=2)
+    it = iter(loader)
+    got = [next(it)]
+    pid = loader.stats()["workers"][1]["pid"]
+    os.kill(pid, signal.SIGKILL)  # while nobody is in next(): the iterator is idle
+    deadline = time.monotonic() + 5
+    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the killed worker did not die"
+        time.sleep(0.01)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        for batch in it:  # what worker 1 sent before it died may come first
+            got.append(batch)
+    traceback.clear_frames(info.value.__traceback__)
+    assert time.monotonic() - start < 5, "noticed within seconds, not at the epoch's end"
+    message = str(info.value)
+    assert (f"DataLoader worker 1 (pid {pid}) exited unexpectedly: it was killed by signal "
+            "SIGKILL (9)") in message, message
+    assert len(got) < 40  # the epoch (40 batches) did not run to its end
+    del it, info, got  # held batches keep their slots (and fds) alive
+    before.wait_clean(within=3)  # worker 0 was shut down too
 
 
 # -- nothing left behind after an error ----------------------------------------------------------

@@ -249,7 +249,20 @@ def test_default_collate_error_same_type(num_workers):
             list(cls(RichDataset(4, uncollatable=True), batch_size=2, num_workers=num_workers))
         traceback.clear_frames(info.value.__traceback__)  # torch's iterator is in it
         errors.append(str(info.value))
-    assert "default_collate: batch must contain tensors" in errors[1]
+    theirs, ours = errors
+    assert "default_collate: batch must contain tensors" in ours
+    if num_workers == 0:  # raised in this process, by the same default_collate
+        assert ours == theirs
+        return
+    # From a worker: torch's wording, then ours adds the batch and its samples; the
+    # traceback's frames differ (the worker loops are not the same code), its
+    # last line, the original error, does not.
+    theirs_lines, ours_lines = theirs.rstrip().splitlines(), ours.rstrip().splitlines()
+    assert theirs_lines[0] == "Caught TypeError in DataLoader worker process 0.", theirs
+    assert ours_lines[0] == theirs_lines[0][:-1] + \
+        " while fetching batch 0 (sample indices [0, 1]).", ours
+    assert ours_lines[1] == theirs_lines[1] == "Original Traceback (most recent call last):"
+    assert ours_lines[-1] == theirs_lines[-1], (ours, theirs)
 
 
 @pytest.mark.timeout(60)

@@ -4,6 +4,8 @@ num_workers, and no data loaded to get there."""
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -221,16 +223,36 @@ def test_elastic_persistent_to_plain():
                  current_epoch_only=True)
 
 
+class FetchLog(Ids):
+    """Ids that leaves an empty file named i in ``log_dir`` when sample i is
+    fetched, so the test sees what the workers fetched."""
+
+    def __init__(self, n: int, log_dir: str) -> None:
+        super().__init__(n)
+        self.log_dir = log_dir
+
+    def __getitem__(self, i):
+        open(os.path.join(self.log_dir, str(i)), "w").close()
+        return super().__getitem__(i)
+
+
 @pytest.mark.timeout(60)
-def test_prefetched_batches_are_not_consumed():
-    """Two workers prefetch 4 batches; a state after 1 batch counts 1."""
-    make = make_for("sequential", num_workers=2, prefetch_factor=2)
-    loader = make()
+def test_prefetched_batches_are_not_consumed(tmp_path):
+    """Two workers prefetch 4 batches, the whole epoch; a state after 1 batch counts 1."""
+    ds = FetchLog(N, str(tmp_path))
+    loader = DataLoader(ds, batch_size=BS, num_workers=2, prefetch_factor=2,
+                        sampler=SequentialSampler(ds))
     it = iter(loader)
     first = ids(next(it))
+    deadline = time.monotonic() + 10
+    while len(os.listdir(tmp_path)) < N and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # Every sample of the epoch was fetched, though only batch 0 reached us.
+    assert sorted(int(name) for name in os.listdir(tmp_path)) == list(range(N))
     state = loader.state_dict()
+    del it
     assert state["batches_yielded"] == 1 and state["samples_yielded"] == BS
-    resumed = make()
+    resumed = make_for("sequential", num_workers=2, prefetch_factor=2)()
     resumed.load_state_dict(state)
     assert first == [0, 1, 2]
     assert [ids(b) for b in resumed] == [[3, 4, 5], [6, 7, 8], [9, 10]]

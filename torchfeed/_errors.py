@@ -65,6 +65,7 @@ class WorkerFailure:
         self.where = where
         self.indices = _index_list(indices)
         self.batch_index = batch_index
+        self.in_setup = False  # raised before any task: see ``cost``
         self.exc_name = type(exc).__name__
         self.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         # The type crosses only if it can be rebuilt on the other side; else
@@ -74,12 +75,24 @@ class WorkerFailure:
         except Exception:
             self.exc_type = None
 
+    def cost(self, indices, batch_index: int) -> "WorkerFailure":
+        """A failure in the worker's set-up (``worker_init_fn``, loading a
+        resumed state) is sent as the answer to its first task, as torch does:
+        name that task's batch and samples, which the user never gets."""
+        self.indices = _index_list(indices)
+        self.batch_index = batch_index
+        self.in_setup = True
+        return self
+
     def message(self) -> str:
         if self.worker_id < 0:  # raised in the main process's own threads
             return f"Caught {self.exc_name} in {self.where}.\nOriginal {self.traceback}"
         context = f"in DataLoader worker process {self.worker_id}"
         if self.batch_index is not None:
-            context += f" while {self.where} batch {self.batch_index}"
+            if self.in_setup:
+                context += f" in {self.where}, so it could not load batch {self.batch_index}"
+            else:
+                context += f" while {self.where} batch {self.batch_index}"
             if self.indices is not None and any(i is not None for i in self.indices):
                 context += f" (sample indices {_format_indices(self.indices)})"
         elif self.where:
@@ -111,6 +124,48 @@ class WorkerFailure:
             del exc
 
 
+# Python 3.11 added BaseException.add_note, whose notes the traceback prints
+# under the message; 3.10 (which we support) has no such thing.
+_NATIVE_NOTES = hasattr(BaseException, "add_note")
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` where the interpreter has it; elsewhere append the
+    note to the exception's message, the only text a 3.10 traceback shows.
+
+    The fallback makes the exception's one argument its message so far (what
+    ``str(exc)`` gave) plus the note (for an OSError, its ``strerror``), so the
+    traceback shows what it would have shown, with the note under it.  ``args``
+    change with it, on 3.10 only.  An exception whose own ``__str__`` ignores
+    both cannot carry the note; it is left as it was.
+    """
+    if _NATIVE_NOTES:
+        exc.add_note(note)
+        return
+    _append_to_message(exc, note)
+
+
+def _append_to_message(exc: BaseException, note: str) -> None:
+    saved = exc.args, getattr(exc, "strerror", None)
+    try:
+        if isinstance(exc, OSError) and exc.strerror:
+            # "[Errno 28] No space left on device" is built from errno and
+            # strerror, not from args.
+            exc.strerror = f"{exc.strerror}\n{note}"
+        else:
+            shown = str(exc)
+            # KeyError shows the repr of its argument: KeyErrorMessage keeps
+            # the note from turning into one long quoted line.
+            exc.args = (KeyErrorMessage(f"{shown}\n{note}" if shown else note),)
+        if note in str(exc):
+            return
+    except Exception:
+        pass
+    exc.args = saved[0]
+    if saved[1] is not None:
+        exc.strerror = saved[1]
+
+
 def _as_int(index):
     try:
         return operator.index(index)
@@ -123,8 +178,6 @@ def explain_lookup_error(exc: LookupError, dataset, index, batched: bool = False
     KeyError raised by the dataset: the two usual causes are a sampler that
     yields indices out of range and a ``__len__`` that promises more samples
     than ``__getitem__`` serves.  The exception's type and message are kept."""
-    if not hasattr(exc, "add_note"):  # Python < 3.11
-        return
     try:
         n = len(dataset)
     except Exception:
@@ -132,7 +185,7 @@ def explain_lookup_error(exc: LookupError, dataset, index, batched: bool = False
     if batched:
         bad = [i for i in map(_as_int, index) if i is not None and not -n <= i < n]
         if bad:
-            exc.add_note(f"The sampler asked for index {bad[0]}, but len(dataset) is {n}: "
+            add_note(exc, f"The sampler asked for index {bad[0]}, but len(dataset) is {n}: "
                          f"out of range ({len(bad)} such in this batch). Check the sampler "
                          f"(or batch_sampler): it must yield indices in [0, {n}).")
         return
@@ -140,11 +193,11 @@ def explain_lookup_error(exc: LookupError, dataset, index, batched: bool = False
     if i is None:
         return
     if not -n <= i < n:
-        exc.add_note(f"The sampler asked for index {i}, but len(dataset) is {n}: out of "
+        add_note(exc, f"The sampler asked for index {i}, but len(dataset) is {n}: out of "
                      f"range. Check the sampler (or batch_sampler): it must yield indices in "
                      f"[0, {n}).")
     else:
-        exc.add_note(f"dataset[{i}] raised {type(exc).__name__}, but len(dataset) is {n}, so "
+        add_note(exc, f"dataset[{i}] raised {type(exc).__name__}, but len(dataset) is {n}, so "
                      f"index {i} should exist. Does __len__ promise more samples than "
                      f"__getitem__ can serve?")
 

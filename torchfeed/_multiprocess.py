@@ -5,6 +5,7 @@
     index stream ─ _try_put_index ─► index_queues[k] ─► fetch + collate + pack
                                                                 │
     user ◄─ pin ◄─ reorder ◄─ _receive ◄────── result_queue ◄───┘
+                                (_receive.py)
 
 Book-keeping follows torch's: ``send_idx`` numbers tasks as they go out,
 ``rcvd_idx`` is the next task to hand to the user, ``task_info`` maps each
@@ -13,13 +14,9 @@ any failure can name them).  ``prefetch_factor × num_workers`` tasks are in
 flight at once, sent round-robin.  Results that arrive early wait in
 ``_arrived`` until their turn, unless ``in_order=False``.
 
-NOTE [ Waiting without hanging ]
-The main process never blocks on the result queue alone.  It waits on the
-queue's pipe *and* every live worker's process sentinel at once
-(one ``poll``, see ``_pipe_reader.wait_ready``), so a worker that dies from SIGKILL, a
-segfault or ``os._exit`` wakes it immediately, and the error names that
-worker's pid, its signal or exit code and the batches it had in flight.
-torch instead polls every 5 seconds and relies on a SIGCHLD handler.
+Receiving (``_receive.py``) waits on the result queue and on every live
+worker's sentinel at once, so a worker that dies wakes the main process
+immediately (NOTE [ Waiting without hanging ] there).
 
 NOTE [ Shutdown ]
 See ``_processes.py``: one shared second of grace for all workers, then
@@ -34,7 +31,6 @@ import collections
 import dataclasses
 import itertools
 import os
-import pickle
 import queue
 import time
 import weakref
@@ -46,14 +42,14 @@ from ._iterator_base import BaseIterator
 from ._pin_memory import PinMemoryThread, pass_through_requested
 from ._processes import close_queue, launch_worker, stop_workers
 from ._state import StatefulUnpacker
-from ._pipe_reader import HalfMessage, MessageReader, Stopped, wait_ready
+from ._pipe_reader import MessageReader
+from ._receive import ResultReceiver, weak_receive
 from ._restart import RestartBudget, WorkerDied, handle_worker_death
 from ._stack_dump import collect_dumps, describe_timeout
 from ._transport import create_channel
 from ._worker import IterableExhausted, ResumeIteration, Task, WorkerSpec
 
 WAIT_SLICE = 0.1      # longest single wait, so timeouts and dead threads are noticed
-DYING_SENDER_WAIT = 1.0  # how long a payload that failed to arrive may wait for its sender's death
 
 _live_iterators: weakref.WeakSet = weakref.WeakSet()
 
@@ -64,7 +60,7 @@ def _shutdown_live_iterators() -> None:
         it._shutdown_workers()
 
 
-class MultiProcessIterator(BaseIterator):
+class MultiProcessIterator(ResultReceiver, BaseIterator):
     def __init__(self, loader) -> None:
         super().__init__(loader)
         self._prefetch_factor = loader.prefetch_factor
@@ -109,7 +105,7 @@ class MultiProcessIterator(BaseIterator):
 
     def _start_pin_thread(self) -> None:
         index = torch.accelerator.current_device_index() if self._pin_memory else None
-        self._pin_thread = PinMemoryThread(_weak_receive(self), self._pin_memory_device,
+        self._pin_thread = PinMemoryThread(weak_receive(self), self._pin_memory_device,
                                            index, pin=self._pin_memory)
 
     def _start_worker(self, ctx, spec: WorkerSpec, worker_id: int) -> None:
@@ -189,74 +185,7 @@ class MultiProcessIterator(BaseIterator):
         self._tasks_outstanding += 1
         self._send_idx += 1
 
-    # -- receiving -------------------------------------------------------------
-    def _watched_sentinels(self):
-        return {w.sentinel: i for i, w in enumerate(self._workers)
-                if self._workers_status[i] and not self._shutdown}
-
-    def _receive(self, timeout: float):
-        """One (send_idx, batch) from the result queue, or (False, None) on timeout.
-
-        Raises RuntimeError as soon as a worker that owes us results is dead.
-        """
-        if self._pending:
-            return True, self._pending.popleft()
-        sentinels = self._watched_sentinels()
-        if self._messages.has_message():
-            return self._take_ready([self._messages.fd], sentinels)
-        ready = wait_ready([self._messages.fd, *sentinels], timeout)
-        return self._take_ready(ready, sentinels)
-
-    def _take_ready(self, ready, sentinels):
-        """Raises WorkerDied for a worker that owes us results and is dead; the
-        main thread decides whether to restart it (``_restart.py``) or raise."""
-        if not ready:
-            return False, None
-        fd = self._messages.fd
-        if fd in ready or self._messages.started():
-            try:
-                item = self._read_result(sentinels, ready=fd in ready)
-            except Stopped:
-                return False, None
-            except HalfMessage as exc:
-                raise WorkerDied(exc.worker_id, half_message=True) from None
-            return True, item
-        for sentinel in ready:
-            worker_id = sentinels[sentinel]
-            # The pin thread took its list of sentinels before it waited; a
-            # worker retired meanwhile (its iterable ended) exits on purpose.
-            if self._workers_status[worker_id] and not self._shutdown:
-                raise WorkerDied(worker_id)
-        return False, None
-
-    def _read_result(self, sentinels=None, dead: int | None = None, ready: bool = False):
-        """(send_idx, payload) of the next message, which has begun to arrive;
-        for an acknowledgement (ResumeIteration), (marker, worker_id).  None for
-        a message from worker ``dead`` that cannot be rebuilt."""
-        raw = self._messages.read(sentinels or {}, lambda: self._shutdown, dead, ready)
-        sem = getattr(self._result_queue, "_sem", None)
-        if sem is not None:
-            sem.release()  # what Queue.get does: the queue's size bound
-        send_idx, worker_id, blob, seconds = pickle.loads(raw)
-        if blob is None:
-            return send_idx, worker_id
-        try:
-            payload = pickle.loads(blob)
-        except Exception:
-            # torch's transport hands tensors over as file descriptors
-            # fetched from the sender; a sender that died, or is dying
-            # (its socket already closed, its exit not yet reaped), cannot.
-            if worker_id == dead:
-                return None  # its task will be sent again
-            process = self._workers[worker_id]
-            process.join(timeout=DYING_SENDER_WAIT)
-            if not process.is_alive():
-                raise WorkerDied(worker_id) from None
-            raise
-        if not isinstance(payload, (WorkerFailure, IterableExhausted)):
-            payload = self._unpacker.unpack(payload)
-            self._stats.on_result(worker_id, seconds)
-        return send_idx, payload
+    # -- receiving: see _receive.py ---------------------------------------------
 
     def _raise_dead_worker(self, worker_id: int, note: str = "") -> None:
         process = self._workers[worker_id]
@@ -406,36 +335,3 @@ class MultiProcessIterator(BaseIterator):
             self._shutdown_workers()
         except Exception:
             pass  # interpreter teardown: modules may already be gone
-
-
-class _IteratorGone(Exception):
-    pass
-
-
-def _weak_receive(iterator):
-    """``iterator._receive`` for the pin thread, without keeping the iterator
-    alive: an iterator dropped mid-epoch (``break``, an exception the caller
-    swallowed) must still be collected, which is what shuts its workers down."""
-    ref = weakref.ref(iterator)
-
-    def alive():
-        it = ref()
-        if it is None:
-            raise _IteratorGone("the iterator was garbage-collected")
-        return it
-
-    def receive(timeout: float):
-        # Hold no reference while blocked: the thread waits almost all the
-        # time, and a reference held then would keep an unreachable
-        # iterator (and its workers) from ever being collected.
-        it = alive()
-        if it._pending:
-            return True, it._pending.popleft()
-        fd, sentinels = it._messages.fd, it._watched_sentinels()
-        if it._messages.has_message():
-            return it._take_ready([fd], sentinels)
-        del it
-        ready = wait_ready([fd, *sentinels], timeout)
-        return alive()._take_ready(ready, sentinels)
-
-    return receive

@@ -70,7 +70,7 @@ class PinMemoryThread:
     def __init__(self, receive, device, device_index: int | None, pin: bool = True):
         self.out = queue.Queue()
         # callable(timeout) -> (ok, (send_idx, batch)).  It must not keep the
-        # iterator alive (see _multiprocess._weak_receive): a running thread is
+        # iterator alive (see _receive.weak_receive): a running thread is
         # a GC root, and a dropped iterator must still be collected.
         self._receive = receive
         self._device = device

@@ -38,7 +38,7 @@ import torch
 import torch.utils.data._utils.worker as _torch_worker
 
 from . import _seeding, _stack_dump
-from ._errors import WorkerFailure
+from ._errors import WorkerFailure, add_note
 from ._fetch import create_fetcher
 from ._index_stream import StatefulResult
 from ._pickling import describe_unpicklable, find_unpicklable
@@ -150,10 +150,8 @@ def _batch_in(payload):
 
 def _explain_send_error(exc: Exception) -> None:
     text = str(exc).lower()
-    if not hasattr(exc, "add_note"):  # Python < 3.11
-        return
     if "shared memory" in text or "shm" in text or getattr(exc, "errno", None) == errno.ENOSPC:
-        exc.add_note(
+        add_note(exc,
             "This batch went through torch's transport (transport='torch', or a batch that did "
             "not fit torchfeed's shared-memory slots), which puts every tensor in /dev/shm, and "
             "/dev/shm is full. Give it more room (docker run --shm-size=2g, or a larger tmpfs), "
@@ -238,7 +236,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 continue  # the main process stops sending once it hears we ended
             start = time.perf_counter()
             if init_failure is not None:
-                payload, init_failure = init_failure, None
+                payload, init_failure = init_failure.cost(task.indices, task.batch_index), None
             else:
                 payload = _run_task(task, fetcher, spec, worker_id, epoch, packer)
                 if isinstance(payload, IterableExhausted):

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from faults_helpers import iterate_until_failure
-from torchfeed import DataLoader
+from torchfeed import DataLoader, _errors
 
 
 class Tiny(Dataset):
@@ -75,6 +75,23 @@ def test_sampler_out_of_range_names_index_and_length(num_workers):
     assert "The sampler asked for index 17, but len(dataset) is 10: out of range" in msg, msg
     if num_workers:
         assert "sample indices [5, 17]" in msg, msg
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_notes_reach_the_user_without_add_note(num_workers, monkeypatch):
+    # As on Python 3.10, which has no BaseException.add_note: the explanation
+    # must then travel in the message itself (workers are forked, so they see
+    # the patched flag too).
+    monkeypatch.setattr(_errors, "_NATIVE_NOTES", False)
+    failure = iterate_until_failure(DataLoader(LyingLength(), batch_size=4,
+                                               num_workers=num_workers))
+    assert failure.type is IndexError, failure
+    assert failure.notes == [], failure.notes
+    assert "dataset[10] raised IndexError, but len(dataset) is 12" in failure.message, failure
+    loader = DataLoader(Tiny(), batch_size=2, sampler=[3, 4, 5, 17], num_workers=num_workers)
+    failure = iterate_until_failure(loader)
+    assert "The sampler asked for index 17, but len(dataset) is 10" in failure.message, failure
 
 
 class Empty(IterableDataset):

@@ -51,7 +51,10 @@ def test_worker_exception_keeps_type_traceback_and_context(source, loader_config
     assert f"injected failure in {source}" in msg, msg
     assert "faults_datasets.py" in msg, msg  # the worker's own frames
     if source == "worker_init_fn":
-        assert "in worker_init_fn" in msg, msg
+        # Worker 1 fails before its first task, batch 1, and answers it with the error.
+        assert "in worker_init_fn, so it could not load batch 1" in msg, msg
+        if loader_config.kind == "map":
+            assert "batch 1 (sample indices [4, 5, 6, 7])" in msg, msg
     elif loader_config.kind == "map":
         # sample 21 sits in batch 5, [20, 21, 22, 23]
         assert "batch 5 (sample indices [20, 21, 22, 23])" in msg, msg
