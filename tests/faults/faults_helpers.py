@@ -39,11 +39,6 @@ ALL_CONFIGS = [LoaderConfig(kind, persistent, pin)
                for persistent in (False, True)
                for pin in (False, True)]
 MAP_CONFIGS = [c for c in ALL_CONFIGS if c.kind == "map"]  # for what only map-style supports
-# Four configurations in which every pair of values of any two axes occurs:
-# for the slow cases (a 2 s timeout, a 1 s shutdown grace) where all eight
-# would cost more than they find.
-PAIRWISE_CONFIGS = [LoaderConfig("map", False, False), LoaderConfig("map", True, True),
-                    LoaderConfig("iterable", False, True), LoaderConfig("iterable", True, False)]
 
 
 class Failure:

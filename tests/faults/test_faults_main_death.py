@@ -31,9 +31,9 @@ from faults_helpers import SURFACE_WITHIN
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults_main_process.py")
 
-# (kind, persistent, pin thread): a diagonal of the matrix
-CONFIGS = [("map", False, False), ("iterable", True, True), ("map", True, True),
-           ("iterable", False, False)]
+# (kind, persistent, pin thread): the whole matrix
+CONFIGS = [(kind, persistent, pin) for kind in ("map", "iterable")
+           for persistent in (False, True) for pin in (False, True)]
 
 
 def _ids(config):
@@ -189,7 +189,7 @@ def test_main_process_sigkill_leaves_nothing(config, tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("config", CONFIGS[:2], ids=_ids)
+@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
 def test_ctrl_c_exits_cleanly(config):
     script = Script(config, "wait")
     sent = time.time()

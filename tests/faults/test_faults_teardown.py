@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from faults_datasets import make_dataset
-from faults_helpers import PAIRWISE_CONFIGS
+from faults_helpers import ALL_CONFIGS
 from torchfeed import DataLoader
 
 SHUTDOWN_WITHIN = 2.5  # one shared second of grace, then terminate, with margin
@@ -38,9 +38,7 @@ def _wait_gone(pids, since):
     return float("inf")
 
 
-# Workers that are busy take the whole shutdown grace (1 s) to go, so these
-# run over the pairwise four configurations rather than all eight.
-CASES = [(how, c) for how in ("del-iterator", "break", "gc-cycle") for c in PAIRWISE_CONFIGS]
+CASES = [(how, c) for how in ("del-iterator", "break", "gc-cycle") for c in ALL_CONFIGS]
 
 
 @pytest.mark.timeout(30)

@@ -9,14 +9,14 @@ import time
 import pytest
 
 from faults_datasets import make_dataset, read_marker
-from faults_helpers import PAIRWISE_CONFIGS, epochs_for, iterate_until_failure
+from faults_helpers import ALL_CONFIGS, epochs_for, iterate_until_failure
 from torchfeed import DataLoader
 
 TIMEOUT = 2
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("loader_config", PAIRWISE_CONFIGS, ids=lambda c: c.id, indirect=True)
+@pytest.mark.parametrize("loader_config", ALL_CONFIGS, ids=lambda c: c.id, indirect=True)
 def test_stuck_worker_timeout_shows_its_stack(loader_config, tmp_path, no_pin_warning):
     marker = str(tmp_path / "fired")
     visit = epochs_for(loader_config)

@@ -8,7 +8,7 @@ import pytest
 
 from faults_datasets import (DatasetBoom, FailingCollate, FailingInit, UnpicklableMeta,
                              UnpicklableMetaIterable, collate_meta, make_dataset, read_marker)
-from faults_helpers import ALL_CONFIGS, PAIRWISE_CONFIGS, SURFACE_WITHIN, epochs_for, iterate_until_failure
+from faults_helpers import ALL_CONFIGS, SURFACE_WITHIN, epochs_for, iterate_until_failure
 from torchfeed import DataLoader
 
 SOURCES = ["__getitem__", "__iter__", "collate_fn", "worker_init_fn"]
@@ -66,7 +66,7 @@ def test_worker_exception_keeps_type_traceback_and_context(source, loader_config
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("leaf,type_name", [("lock", "_thread.lock"), ("lambda", "function")])
-@pytest.mark.parametrize("loader_config", PAIRWISE_CONFIGS, ids=lambda c: c.id, indirect=True)
+@pytest.mark.parametrize("loader_config", ALL_CONFIGS, ids=lambda c: c.id, indirect=True)
 def test_unpicklable_batch_names_the_leaf(leaf, type_name, loader_config, no_pin_warning):
     dataset = (UnpicklableMeta(leaf) if loader_config.kind == "map"
                else UnpicklableMetaIterable(leaf))
