@@ -172,9 +172,10 @@ class Workload:
     description: str
     make: Callable[[int], Dataset]
     batch_size: int
-    # Timed batches per run: about 1.5 s of torch's DataLoader with 2 workers on
-    # 2 cores, long enough to average over many batches, short enough that the
-    # default run (5 workloads x 3 repeats x 2 loaders) stays near a minute.
+    # Timed batches per run: at least about half a second for the fastest loader
+    # on 2 cores (a run of 0.1 s is at the mercy of the scheduler: its ratios
+    # moved by 1.5x between two runs of the bench), a few seconds for torch's,
+    # so the default bench (5 workloads x 3 repeats x 3 loaders) takes 2-3 min.
     batches: int
 
     def dataset(self, length: int) -> Dataset:
@@ -184,15 +185,15 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
-        Workload("small", "16 float32 + int label per sample, batch 64", SmallDataset, 64, 500),
+        Workload("small", "16 float32 + int label per sample, batch 64", SmallDataset, 64, 3000),
         Workload("image", "uint8 3x224x224 + int label per sample, batch 64",
-                 ImageDataset, 64, 150),
+                 ImageDataset, 64, 600),
         Workload("dict30", "dict of 32 small tensors (4 dtypes) per sample, batch 64",
-                 DictDataset, 64, 60),
+                 DictDataset, 64, 200),
         Workload("numpy", "numpy record split into 5 arrays/scalars per sample, batch 64",
-                 NumpyRecordDataset, 64, 250),
+                 NumpyRecordDataset, 64, 1500),
         Workload("cpu_heavy", "1-2 ms of Python compute per sample, batch 16",
-                 CpuHeavyDataset, 16, 80),
+                 CpuHeavyDataset, 16, 200),
     ]
 }
 
