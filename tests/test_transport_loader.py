@@ -10,6 +10,7 @@ import time
 import warnings
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -200,14 +201,33 @@ def test_nothing_left_after_normal_end_early_break_and_worker_error():
 
 
 @pytest.mark.timeout(120)
-def test_small_shm_limit_still_loads_with_one_warning(monkeypatch):
+@pytest.mark.parametrize("sharing_strategy", ["file_descriptor", "file_system"])
+def test_small_shm_limit_still_loads_with_one_warning(monkeypatch, sharing_strategy):
+    """Batches too big for the budget go torch's way, which does use /dev/shm: they
+    arrive, warn once, and leave no segment behind, named after any of our processes,
+    with either of torch's sharing strategies (file_system keeps named segments)."""
     monkeypatch.setenv("TORCHFEED_SHM_LIMIT", "1m")
-    loader = torchfeed.DataLoader(Images(n=8, size=224), batch_size=8, num_workers=2)
-    with pytest.warns(_transport.ShmFallbackWarning, match="TORCHFEED_SHM_LIMIT=1m") as rec:
-        batches = list(loader)
-    assert len([w for w in rec if w.category is _transport.ShmFallbackWarning]) == 1
-    assert batches[0].image.shape == (8, 3, 224, 224)
-    assert batches[0].label.tolist() == list(range(8))
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy(sharing_strategy)
+    try:
+        before = h.dev_shm()
+        loader = torchfeed.DataLoader(Images(n=16, size=224), batch_size=8, num_workers=2)
+        with pytest.warns(_transport.ShmFallbackWarning, match="TORCHFEED_SHM_LIMIT=1m") as rec:
+            it = iter(loader)
+            batches = [next(it)]
+            workers = [c.pid for c in psutil.Process().children()]
+            batches += list(it)
+        del it
+        assert len([w for w in rec if w.category is _transport.ShmFallbackWarning]) == 1
+        assert batches[0].image.shape == (8, 3, 224, 224)
+        assert batches[0].label.tolist() == list(range(8))
+        assert batches[1].label.tolist() == list(range(8, 16))
+        assert len(workers) == 2
+        del batches
+        gc.collect()
+        assert h.leftover_shm(before, [os.getpid()] + workers) == set()
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)
 
 
 def _pin_warnings(caught):
