@@ -5,8 +5,8 @@
   grows less than 10% after warm-up.  The cycles walk the configuration matrix
   (cycle i uses configuration i mod 8).
 * A soak of 50,000 batches through 2 workers: the RSS of the main process and
-  of each worker stays within 10% after warm-up.  Marked ``slow`` (excluded by
-  default; run with ``pytest -m slow``).
+  of each worker stays within 10% after warm-up.  Batches of 8 small samples
+  keep it to about 10 s on 2 cores, so it runs with the rest of the suite.
 """
 import gc
 import os
@@ -67,8 +67,7 @@ def test_300_create_iterate_delete_cycles_stay_flat(monkeypatch):
     assert grown < 0.10, f"RSS grew {grown:.1%} over {300 - WARM_UP} cycles"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(120)
 def test_soak_50000_batches_rss_flat():
     dataset = make_dataset("map", n=50_000 * 8)
     loader = DataLoader(dataset, batch_size=8, num_workers=2)
