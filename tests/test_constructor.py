@@ -190,18 +190,12 @@ def test_len_of_iterable_is_counted_like_torch():
 
 # -- rebuilding from attributes (Lightning's distributed-sampler injection) --------------
 def _rebuild_with_sampler(loader, sampler):
-    """What Lightning's ``_update_dataloader`` does: read ``__init__``'s parameters,
-    take the same-named attributes, and swap in a new sampler."""
-    params = inspect.signature(loader.__init__).parameters
-    attrs = {k: v for k, v in vars(loader).items() if not k.startswith("_")}
-    attrs["multiprocessing_context"] = loader.multiprocessing_context
-    kwargs = {name: attrs[name] for name in params if name in attrs}
-    kwargs.update(sampler=sampler, shuffle=False, batch_sampler=None,
-                  batch_size=loader.batch_size, drop_last=loader.drop_last)
-    required = [n for n, p in params.items() if p.default is p.empty
-                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in kwargs]
-    assert not required, f"cannot rebuild: {required} are not attributes"
-    return type(loader)(**kwargs)
+    """Lightning's own injection (Fabric and the Trainer share it): rebuild
+    ``type(loader)`` from the attributes named after ``__init__``'s parameters,
+    with ``sampler`` swapped in.  The real library, from the [test] extra."""
+    from lightning_fabric.utilities.data import _update_dataloader
+
+    return _update_dataloader(loader, sampler)
 
 
 @pytest.mark.timeout(60)
@@ -314,3 +308,28 @@ def test_timeout_without_workers_like_torch():
     with pytest.raises(Exception) as ours:
         iter(torchfeed.DataLoader(RangeDataset(4), timeout=5))
     assert type(ours.value) is type(theirs.value)
+
+
+# -- Accelerate's prepare_data_loader ----------------------------------------------------
+def _accelerate_shards(loader_class, num_workers):
+    from accelerate.data_loader import prepare_data_loader
+
+    shards = []
+    for rank in range(2):
+        loader = loader_class(RangeDataset(10), batch_size=2, num_workers=num_workers)
+        prepared = prepare_data_loader(loader, num_processes=2, process_index=rank,
+                                       put_on_device=False)
+        shards.append([batch[1].tolist() for batch in prepared])
+    return shards
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_accelerate_prepare_data_loader_deals_the_same_shards(num_workers):
+    """Accelerate reads torch's constructor arguments off the loader and wraps torch's
+    DataLoader in its own DataLoaderShard (so torchfeed's iterator is not used under
+    accelerator.prepare; the README says so).  What it deals must not change."""
+    ours = _accelerate_shards(torchfeed.DataLoader, num_workers)
+    assert ours == _accelerate_shards(TorchLoader, num_workers)
+    # 5 batches over 2 processes, evened out by wrapping around to the start
+    assert ours == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7], [0, 1]]]

@@ -4,8 +4,8 @@ The class subclasses ``torch.utils.data.DataLoader`` and lets torch's own
 ``__init__`` validate and store every argument, so the exception types,
 messages, defaults and public attributes are torch's by construction, and
 ``isinstance`` checks and frameworks that rebuild a loader from its attributes
-(Lightning, Accelerate) keep working.  What changes is the iterator behind
-``iter()``.
+(Lightning's sampler injection, Accelerate's ``prepare``) keep working.  What
+changes is the iterator behind ``iter()``.
 
 torchfeed's own options are keyword-only and stored under their own names, so a
 loader rebuilt from its attributes keeps them too.
