@@ -3,11 +3,13 @@ whose ``__len__`` lies and a sampler that yields out-of-range indices fail with
 an error naming the index and ``len(dataset)``; an IterableDataset that yields
 nothing warns (torch is silent; an empty dataset is legal, so no error).
 """
+import time
+
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from faults_helpers import iterate_until_failure
+from faults_helpers import SURFACE_WITHIN, iterate_until_failure
 from torchfeed import DataLoader, _errors
 
 
@@ -56,8 +58,10 @@ class LyingLength(Dataset):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_len_that_lies_names_index_and_length(num_workers):
+    started = time.time()
     failure = iterate_until_failure(DataLoader(LyingLength(), batch_size=4,
                                                num_workers=num_workers))
+    assert failure.raised_at - started < SURFACE_WITHIN
     assert failure.type is IndexError, failure
     msg = _with_notes(failure)
     assert "dataset[10] raised IndexError, but len(dataset) is 12" in msg, msg
@@ -69,7 +73,9 @@ def test_len_that_lies_names_index_and_length(num_workers):
 def test_sampler_out_of_range_names_index_and_length(num_workers):
     loader = DataLoader(Tiny(), batch_size=2, sampler=[3, 4, 5, 17, 6, 7],
                         num_workers=num_workers)
+    started = time.time()
     failure = iterate_until_failure(loader)
+    assert failure.raised_at - started < SURFACE_WITHIN
     assert failure.type is IndexError, failure
     msg = _with_notes(failure)
     assert "The sampler asked for index 17, but len(dataset) is 10: out of range" in msg, msg

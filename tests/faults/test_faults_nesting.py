@@ -5,12 +5,14 @@ torch fails with "daemonic processes are not allowed to have children".
 torchfeed fails at ``iter()`` of the inner loader with an error that says what
 to do (``num_workers=0`` for the inner loader), and that inner loader works.
 """
+import time
+
 import pytest
 import torch
 from torch.utils.data import Dataset
 
 from faults_datasets import make_dataset
-from faults_helpers import iterate_until_failure
+from faults_helpers import SURFACE_WITHIN, iterate_until_failure
 from torchfeed import DataLoader
 
 
@@ -58,7 +60,9 @@ class LoadsInside(Dataset):
 @pytest.mark.timeout(30)
 def test_loader_inside_a_worker_says_to_use_num_workers_0():
     loader = DataLoader(LoadsInside(inner_workers=2), batch_size=2, num_workers=2)
+    started = time.time()
     failure = iterate_until_failure(loader)
+    assert failure.raised_at - started < SURFACE_WITHIN
     assert failure.type is RuntimeError, failure
     msg = failure.message
     assert "iterated inside DataLoader worker process 0 of another loader" in msg, msg

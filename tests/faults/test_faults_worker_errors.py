@@ -4,6 +4,8 @@ An exception keeps its type and carries the worker's traceback, the worker id
 and the batch's sample indices.  A batch that cannot be pickled becomes a
 TypeError naming the offending leaf's path and type, and never hangs.
 """
+import time
+
 import pytest
 
 from faults_datasets import (DatasetBoom, FailingCollate, FailingInit, UnpicklableMeta,
@@ -72,7 +74,9 @@ def test_unpicklable_batch_names_the_leaf(leaf, type_name, loader_config, no_pin
                else UnpicklableMetaIterable(leaf))
     loader = DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=collate_meta,
                         **loader_config.kwargs())
+    started = time.time()  # the very first batch is the bad one: worker start included
     failure = iterate_until_failure(loader, epochs=1)
+    assert failure.raised_at - started < SURFACE_WITHIN
     assert failure.type is TypeError, failure
     msg = failure.message
     assert "cannot be sent to the main process" in msg, msg
