@@ -69,6 +69,16 @@ def ids_of(batches):
 LOADER_STATE = hasattr(LOADER, "state_dict") and hasattr(LOADER, "load_state_dict")
 
 
+def take_and_save(loader, steps):
+    """The ids of the first ``steps`` batches of an epoch, and the loader's state after
+    them, through json as a checkpoint file would carry it."""
+    it = iter(loader)
+    taken = [next(it) for _ in range(steps)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del it
+    return {"ids": ids_of(taken), "state": state}
+
+
 def loader_level(res, args, saved, chained, nw):
     """k batches at one world size, loader.state_dict(), a fresh loader at another.
 
@@ -80,10 +90,7 @@ def loader_level(res, args, saved, chained, nw):
         sampler = DistributedSampler(Ids(), shuffle=True, seed=SEED)
         sampler.set_epoch(1)
         loader = make_loader(Ids(), sampler, nw)
-        it = iter(loader)
-        taken = [next(it) for _ in range(SAVE_STEP)]
-        res[f"{key}/save"] = {"ids": ids_of(taken), "state": json.loads(json.dumps(loader.state_dict()))}
-        del it
+        res[f"{key}/save"] = take_and_save(loader, SAVE_STEP)
     if saved is not None:
         sampler = DistributedSampler(Ids(), shuffle=True, seed=SEED)
         loader = make_loader(Ids(), sampler, nw)
@@ -97,11 +104,7 @@ def loader_level(res, args, saved, chained, nw):
         loader = make_loader(Ids(), sampler, nw)
         loader.load_state_dict(saved[f"{key}/save"]["state"])
         sampler.set_epoch(1)
-        it = iter(loader)
-        taken = [next(it) for _ in range(CHAIN_STEP)]
-        res[f"{key}/chain-save"] = {"ids": ids_of(taken),
-                                    "state": json.loads(json.dumps(loader.state_dict()))}
-        del it
+        res[f"{key}/chain-save"] = take_and_save(loader, CHAIN_STEP)
     if chained is not None:
         sampler = DistributedSampler(Ids(), shuffle=True, seed=SEED)
         loader = make_loader(Ids(), sampler, nw)
@@ -119,10 +122,7 @@ def torch_sampler_level(res, args, nw):
         sampler = torch.utils.data.distributed.DistributedSampler(Ids(), shuffle=True, seed=SEED)
         sampler.set_epoch(1)
         loader = make_loader(Ids(), sampler, nw)
-        it = iter(loader)
-        taken = [next(it) for _ in range(SAVE_STEP)]
-        res[f"{key}/save"] = {"ids": ids_of(taken), "state": json.loads(json.dumps(loader.state_dict()))}
-        del it
+        res[f"{key}/save"] = take_and_save(loader, SAVE_STEP)
     if args.torch_sampler_from:
         saved = json.loads((Path(args.torch_sampler_from) / "rank0.json").read_text())
         sampler = torch.utils.data.distributed.DistributedSampler(Ids(), shuffle=True, seed=SEED)
