@@ -454,3 +454,37 @@ def test_slot_stays_in_use_while_any_view_of_the_batch_lives(key):
     assert unpacker.stats()["in_use"] == 0
     packer.close()
     unpacker.close()
+
+
+@pytest.mark.timeout(30)
+def test_one_small_message_per_batch_with_no_tensor_inside():
+    """What crosses the result queue is the slot, offsets, dtypes and shapes: a few
+    hundred bytes for a 9.6 MB image batch or 32 tensors, and nothing torch's
+    reductions would send as a shared-memory segment with its own descriptor."""
+    ch = create_channel(1, None, None)
+    packer, unpacker = ch.packer(0), ch.unpacker()
+    image = {"image": torch.zeros(64, 3, 224, 224, dtype=torch.uint8),
+             "label": torch.arange(64), "path": [f"img_{i}.jpg" for i in range(4)]}
+    many = {f"t{i}": torch.full((64, 8), float(i)) for i in range(32)}
+
+    def leaves(obj):
+        if isinstance(obj, (tuple, list)):
+            for item in obj:
+                yield from leaves(item)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                yield from leaves(item)
+        else:
+            yield obj
+
+    for batch, bound in ((image, 1024), (many, 4096)):
+        message = packer.pack(batch)
+        pickled = ForkingPickler.dumps(message)
+        assert len(pickled) < bound, len(pickled)
+        assert not any(isinstance(x, (torch.Tensor, torch.UntypedStorage, np.ndarray))
+                       for x in leaves(message))
+        got = unpacker.unpack(message)
+        assert all(torch.equal(got[k], batch[k]) for k in batch if k != "path")
+        del got
+    packer.close()
+    unpacker.close()
