@@ -11,6 +11,7 @@ global RNG state the checkpoint recorded (``drawing_from``).
 from __future__ import annotations
 
 import base64
+from contextlib import contextmanager
 
 import torch
 
@@ -28,33 +29,24 @@ def draw_base_seed(generator) -> int:
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
-class replaying:
+@contextmanager
+def replaying(generator, generators, rng: dict):
     """Set the RNGs back to an epoch's start; the global one only for the duration.
 
     The loader's generator and the sampler's own generators stay where the
     replay leaves them: that is where the uninterrupted run had them.
     """
-
-    def __init__(self, generator, generators, rng: dict) -> None:
-        self._generator, self._generators, self._rng = generator, generators, rng
-        self._fork = None
-
-    def __enter__(self):
-        rng = self._rng
-        if rng["generator"] is not None and self._generator is not None:
-            self._generator.set_state(decode_rng(rng["generator"]))
-        for g, text in zip(self._generators, rng["samplers"]):
-            g.set_state(decode_rng(text))
-        self._fork = torch.random.fork_rng(devices=[])
-        self._fork.__enter__()
+    if rng["generator"] is not None and generator is not None:
+        generator.set_state(decode_rng(rng["generator"]))
+    for g, text in zip(generators, rng["samplers"]):
+        g.set_state(decode_rng(text))
+    with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(decode_rng(rng["global"]))
-        return self
-
-    def __exit__(self, *exc):
-        return self._fork.__exit__(*exc)
+        yield
 
 
-class drawing_from:
+@contextmanager
+def drawing_from(text: str | None):
     """Draw an epoch's start from the global RNG state a finished-epoch checkpoint recorded.
 
     When the live global RNG is still there (the caller restored it), nothing
@@ -62,22 +54,10 @@ class drawing_from:
     from the recorded state inside ``fork_rng``, so they are the uninterrupted
     run's and the caller's global RNG is left where it is.
     """
-
-    def __init__(self, text: str | None) -> None:
-        self._text = text
-        self._fork = None
-
-    def __enter__(self):
-        if self._text is None:
-            return self
-        recorded = decode_rng(self._text)
-        if not torch.equal(torch.get_rng_state(), recorded):
-            self._fork = torch.random.fork_rng(devices=[])
-            self._fork.__enter__()
-            torch.set_rng_state(recorded)
-        return self
-
-    def __exit__(self, *exc):
-        if self._fork is not None:
-            return self._fork.__exit__(*exc)
-        return None
+    recorded = None if text is None else decode_rng(text)
+    if recorded is None or torch.equal(torch.get_rng_state(), recorded):
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(recorded)
+        yield
