@@ -92,6 +92,14 @@ def epoch_state(sampler) -> dict:
             "num_replicas": replicas if isinstance(replicas, int) else None}
 
 
+def _saved_sampler_epoch(state: dict):
+    """The epoch a ``"set_epoch"`` sampler was at in ``state``, or None for other samplers."""
+    sampler_state = state["sampler_state"]
+    if sampler_state is None or sampler_state["protocol"] != "set_epoch":
+        return None
+    return sampler_state["state"]["epoch"]
+
+
 def sampler_generators(index_sampler, loader_generator) -> list:
     """torch.Generators the sampler (or torch's BatchSampler's sampler) owns, in a fixed order."""
     found = []
@@ -242,16 +250,16 @@ class IndexStream:
     def restore_sampler_epoch(self, state: dict) -> None:
         """Give a ``"set_epoch"`` sampler the saved epoch, so a fresh one replays that
         epoch's order even if the user's loop does not call ``set_epoch`` first."""
-        sampler_state = state["sampler_state"]
-        if sampler_state is not None and sampler_state["protocol"] == "set_epoch":
-            self.sampler.set_epoch(sampler_state["state"]["epoch"])
+        saved = _saved_sampler_epoch(state)
+        if saved is not None:
+            self.sampler.set_epoch(saved)
 
     def _check_sampler_epoch(self, state: dict) -> None:
         """A mid-epoch state continues one epoch of the sampler's order: refuse another."""
-        sampler_state = state["sampler_state"]
-        if sampler_state is None or sampler_state["protocol"] != "set_epoch":
+        saved = _saved_sampler_epoch(state)
+        if saved is None:
             return
-        saved, now = sampler_state["state"]["epoch"], self.sampler.epoch
+        now = self.sampler.epoch
         if now != saved:
             raise ValueError(
                 f"this DataLoader resumes a checkpoint taken in epoch {saved} of its "
