@@ -65,7 +65,7 @@ class WorkerFailure:
         self.where = where
         self.indices = _index_list(indices)
         self.batch_index = batch_index
-        self.in_setup = False  # raised before any task: see ``cost``
+        self.in_setup = False  # raised before any task: see ``answering``
         self.exc_name = type(exc).__name__
         self.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         # The type crosses only if it can be rebuilt on the other side; else
@@ -75,7 +75,7 @@ class WorkerFailure:
         except Exception:
             self.exc_type = None
 
-    def cost(self, indices, batch_index: int) -> "WorkerFailure":
+    def answering(self, indices, batch_index: int) -> "WorkerFailure":
         """A failure in the worker's set-up (``worker_init_fn``, loading a
         resumed state) is sent as the answer to its first task, as torch does:
         name that task's batch and samples, which the user never gets."""

@@ -236,7 +236,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 continue  # the main process stops sending once it hears we ended
             start = time.perf_counter()
             if init_failure is not None:
-                payload, init_failure = init_failure.cost(task.indices, task.batch_index), None
+                payload, init_failure = init_failure.answering(task.indices, task.batch_index), None
             else:
                 payload = _run_task(task, fetcher, spec, worker_id, epoch, packer)
                 if isinstance(payload, IterableExhausted):
