@@ -21,8 +21,8 @@ watchdog, and an ``EPIPE`` is reported as ``BrokenPipeError`` to the caller.
 from __future__ import annotations
 
 import os
+import pickle
 import struct
-from multiprocessing.reduction import ForkingPickler
 
 from ._index_queue import PIPE_BUF
 
@@ -36,7 +36,10 @@ class ResultWriter:
     def put(self, obj) -> None:
         q = self.queue
         if self._direct:
-            body = ForkingPickler.dumps(obj)
+            # The envelope is plain data (the payload inside is already
+            # pickled), so pickle's C pickler will do: ForkingPickler copies
+            # two dispatch tables per call.
+            body = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
             message = struct.pack("!i", len(body)) + body
             if len(message) <= PIPE_BUF:
                 q._sem.acquire()  # the main process releases it per message read

@@ -153,6 +153,10 @@ class ShmChannel:
 class Packer:
     """Worker side: writes batches into this worker's slots."""
 
+    # A tuple from pack() is a message of plain data (ints, bytes, tuples),
+    # never the user's batch: the worker may pickle it with pickle's C pickler.
+    plain_tuples = True
+
     def __init__(self, worker_id: int, fd, channel: ShmChannel, owns_fd: bool):
         self.worker_id = worker_id
         self._fd = fd if owns_fd else None
