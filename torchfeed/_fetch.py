@@ -4,7 +4,10 @@ A fetcher is built once per worker (and once per epoch for iterable datasets)
 and called once per task.  The semantics are torch's, case by case:
 
 * map-style with automatic batching: ``dataset.__getitems__(indices)`` when the
-  dataset defines it, else ``[dataset[i] for i in indices]``, then ``collate_fn``;
+  dataset defines it, else ``[dataset[i] for i in indices]``, then ``collate_fn``.
+  A collate that declares ``takes_sample_stream`` (the shared-memory
+  transport's ``default_collate``) gets the samples lazily instead, as a
+  ``SampleStream`` it fetches one by one, in the same order;
 * map-style without batching (``batch_size=None``): ``dataset[index]`` then
   ``collate_fn`` (``default_convert`` by default);
 * iterable with batching: up to ``len(indices)`` items from the dataset's
@@ -18,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ._errors import explain_lookup_error
+from ._transport import SampleStream
 
 
 class MapFetcher:
@@ -27,6 +31,7 @@ class MapFetcher:
         self.collate_fn = collate_fn
         getitems = getattr(dataset, "__getitems__", None)
         self._getitems = getitems if callable(getitems) else None
+        self._lazy = bool(getattr(collate_fn, "takes_sample_stream", False))
 
     def fetch(self, indices) -> Any:
         if not self.auto_collation:
@@ -37,6 +42,8 @@ class MapFetcher:
             except LookupError as exc:
                 explain_lookup_error(exc, self.dataset, indices, batched=True)
                 raise
+        elif self._lazy:
+            samples = SampleStream(self._get, indices)
         else:
             samples = [self._get(i) for i in indices]
         return self.collate_fn(samples)

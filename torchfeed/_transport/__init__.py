@@ -8,7 +8,8 @@ Two transports share one interface:
   zero-copy views of the slot and hands the slot back to the worker when the
   last view dies. See ``_shm.py`` (channel, packer, unpacker), ``_slots.py``
   (arenas, control block, pools), ``_layout.py`` (flatten/rebuild of nested
-  batches), ``_collate.py`` (default_collate straight into a slot) and
+  batches), ``_collate.py`` (default_collate straight into a slot),
+  ``_stream.py`` (big arrays copied into the slot as each sample arrives) and
   ``_space.py`` (how much shared memory the slots may use).
 * ``"torch"`` (the escape hatch): pack and unpack are the identity, and the
   result queue pickles tensors with torch's own shared-memory reductions,
@@ -45,6 +46,7 @@ from . import _slots, _space
 from ._collate import is_default_collate
 from ._shm import Packer, Plain, ShmChannel, ShmFallbackWarning, Unpacker
 from ._space import ENV_LIMIT, SpaceCheck, check_space
+from ._stream import SampleStream
 
 ENV_TRANSPORT = "TORCHFEED_TRANSPORT"
 TRANSPORTS = ("shm", "torch")
@@ -53,7 +55,7 @@ TRANSPORTS = ("shm", "torch")
 MIN_BYTES_PER_WORKER = 2 * _slots.REGION_ALIGN + _slots.CTRL_BYTES
 
 __all__ = [
-    "ENV_LIMIT", "ENV_TRANSPORT", "TRANSPORTS", "Packer", "Plain", "ShmChannel",
+    "ENV_LIMIT", "ENV_TRANSPORT", "TRANSPORTS", "Packer", "Plain", "SampleStream", "ShmChannel",
     "ShmFallbackWarning", "SpaceCheck", "TorchChannel", "TransportOptions", "Unpacker",
     "check_space", "create_channel", "is_default_collate", "resolve_transport",
 ]

@@ -12,6 +12,10 @@ does), and the packer then sends those tensors without copying them again.
 When there is no slot to stack into (first batch of a worker, or a batch
 bigger than the last one), the tensor is stacked into ordinary memory and the
 packer copies it: still never a fresh shared-memory segment.
+
+Given a ``SampleStream`` rather than a list, the collate fetches the samples
+itself, one by one, and copies their big arrays into the slot as they arrive
+(``_stream.py``); the stacks of those arrays are then already done.
 """
 
 from __future__ import annotations
@@ -22,20 +26,32 @@ import torch
 from torch.utils.data._utils import collate as _torch_collate
 
 from . import _layout
+from ._stream import SampleStream, stream_samples
+
+# Smaller batches are stacked into ordinary memory and copied: for them the
+# copy costs less than stacking into views does.
+DIRECT_MIN_BYTES = 1 << 18
 
 
 class DirectCollate:
-    """Stacks into one reserved slot; used by the packer, one batch at a time."""
+    """Stacks into one slot it reserves per batch; the packer then sends that
+    slot (``slot``, ``used`` bytes, ``direct`` tensors already in it)."""
 
-    def __init__(self):
+    takes_sample_stream = True  # the fetcher may pass a SampleStream
+
+    def __init__(self, pool=None):
+        self.pool = pool
+        self.expected_nbytes = 0  # what the last batch needed; set by the packer
         self.slot = None
         self.used = 0
         self.direct: dict = {}
+        self.streamed: dict = {}
 
     def reset(self, slot) -> None:
         self.slot = slot
         self.used = 0
         self.direct = {}
+        self.streamed = {}
 
     def _view(self, shape, dtype):
         slot = self.slot
@@ -54,13 +70,30 @@ class DirectCollate:
 
     def collate_tensor(self, batch, *, collate_fn_map=None):
         elem = batch[0]
+        leaf = self.streamed.get(id(elem))
+        if (leaf is not None and len(batch) == len(leaf.rows)
+                and all(a is b for a, b in zip(batch, leaf.rows))):
+            return leaf.out  # streamed: already stacked in the slot
         if (type(elem) is not torch.Tensor or elem.layout is not torch.strided
                 or not elem.is_cpu or elem.is_nested or elem.is_quantized):
             return _torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
         out = self._view((len(batch), *elem.shape), elem.dtype)
+        if out is None:  # keep the first element's dtype, as torch's worker does
+            out = torch.empty((len(batch), *elem.shape), dtype=elem.dtype)
         return torch.stack(batch, 0, out=out)
 
     def __call__(self, samples):
+        """``default_collate(samples)``, stacked into a slot where one is worth it."""
+        self.reset(None)
+        if self.pool is not None and self.expected_nbytes >= DIRECT_MIN_BYTES:
+            self.reset(self.pool.acquire(self.expected_nbytes)[0])
+        if type(samples) is SampleStream:
+            if self.slot is not None:
+                samples, self.streamed = stream_samples(samples, self._view)
+                if not self.streamed:  # nothing streamed: no sample points into the slot
+                    self.reset(self.slot)
+            else:
+                samples = list(samples)
         fn_map = dict(_torch_collate.default_collate_fn_map)
         fn_map[torch.Tensor] = self.collate_tensor
         return _torch_collate.collate(samples, collate_fn_map=fn_map)

@@ -35,9 +35,6 @@ from multiprocessing import reduction
 from . import _layout, _slots, _space
 from ._collate import DirectCollate, is_default_collate
 
-
-DIRECT_MIN_BYTES = 1 << 18
-
 # Slots still held by the user when their unpacker closed, until they die.
 # Module-level so that the weak references that watch them stay reachable.
 _HELD_AFTER_CLOSE: dict = {}
@@ -161,33 +158,25 @@ class Packer:
         self.worker_id = worker_id
         self._fd = fd if owns_fd else None
         self._num_workers = channel.num_workers
-        self._last_nbytes = 0
         self._warned = False
-        self._collate = DirectCollate()
         self.pool = None
         if fd is not None:
             self.pool = _slots.WorkerPool(fd, channel.budget // max(1, channel.num_workers),
                                           channel.max_slots, channel.idle_batches)
             self._channel_budget = (channel.budget, channel.budget_source)
+        self._collate = DirectCollate(self.pool)
 
     def choose_collate(self, collate_fn):
         """The collate function this worker should call: for torch's
-        ``default_collate``, :meth:`collate` (same result, stacked straight into
-        a slot); any other function unchanged."""
+        ``default_collate``, a ``DirectCollate`` (same result, stacked straight
+        into a slot); any other function unchanged."""
         if self.pool is not None and is_default_collate(collate_fn):
-            return self.collate
+            return self._collate
         return collate_fn
 
     def collate(self, samples):
         """``default_collate(samples)``, with tensors stacked straight into a slot."""
-        c = self._collate
-        c.reset(None)
-        # Small batches are stacked into ordinary memory and copied: for them
-        # the copy costs less than stacking into views does.
-        if self.pool is not None and self._last_nbytes >= DIRECT_MIN_BYTES:
-            slot, _ = self.pool.acquire(self._last_nbytes)
-            c.reset(slot)
-        return c(samples)
+        return self._collate(samples)
 
     def pack(self, batch):
         """The message that carries ``batch`` to the main process."""
@@ -218,7 +207,7 @@ class Packer:
             if reserved is not None:  # the batch outgrew the reserved slot: copy it all
                 p = _layout.dump(batch)
             _layout.copy_leaves(p.leaves, slot)
-        self._last_nbytes = need
+        c.expected_nbytes = need
         pool = self.pool
         pool.states[slot.idx] = _slots.IN_FLIGHT
         pool.counters[_slots.C_PACKED] += 1
@@ -249,6 +238,8 @@ class Packer:
                 f"which puts them in /dev/shm. Free memory, or pass transport='torch'.")
 
     def close(self) -> None:
+        self._collate.reset(None)
+        self._collate.pool = None  # the pool's mappings go with its last reference
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -1,0 +1,166 @@
+"""Streaming each sample's big arrays into the slot as it arrives (_stream.py):
+same batches as torch, the sample's memory freed before the next fetch, and
+torch's behaviour whenever a sample does not fit the first one's layout."""
+
+from __future__ import annotations
+
+import collections
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, default_collate
+
+import torchfeed
+from loader_helpers import assert_same
+from torchfeed._transport import SampleStream, create_channel
+from torchfeed._transport._stream import STREAM_MIN_BYTES
+
+Views = collections.namedtuple("Views", "left right")
+BATCH = 8
+LENGTH = 10 * BATCH  # five batches per worker: all but each worker's first are streamed
+
+
+class BigSamples(Dataset):
+    """Samples whose big arrays are streamed, in every nesting and dtype the
+    streaming handles, each with a flag: was the previous sample's big array
+    still alive when this one was fetched?"""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.last = None
+
+    def __len__(self):
+        return LENGTH
+
+    def _big(self, i, dtype=torch.float32, side=96):
+        t = torch.arange(3 * side * side, dtype=torch.float64).reshape(3, side, side)
+        return ((t + i) % 97).to(dtype)
+
+    def __getitem__(self, i):
+        previous_alive = self.last is not None and self.last() is not None
+        if self.kind == "tensor":
+            big = self._big(i)
+            sample = (big, i, previous_alive)
+        elif self.kind == "numpy":
+            big = np.ascontiguousarray(self._big(i, torch.uint8, 160).permute(1, 2, 0).numpy())
+            sample = {"image": big, "name": f"s{i}", "small": torch.tensor([i, -i]),
+                      "previous_alive": previous_alive}
+        else:  # nested, several dtypes, a non-contiguous input
+            big = self._big(i, torch.bfloat16, 160).transpose(1, 2)
+            sample = Views(left=[big, self._big(i, torch.bool, 160), 2.5 * i],
+                           right={"c": self._big(i, torch.complex64, 64),
+                                  "flag": previous_alive})
+        self.last = weakref.ref(big)
+        return sample
+
+
+def _flags(batch, kind):
+    if kind == "tensor":
+        return batch[2]
+    if kind == "numpy":
+        return batch["previous_alive"]
+    return batch.right["flag"]
+
+
+def _drop_flags(batch, kind):
+    if kind == "tensor":
+        return batch[:2]
+    if kind == "numpy":
+        return {k: v for k, v in batch.items() if k != "previous_alive"}
+    return Views(batch.left, batch.right["c"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["tensor", "numpy", "nested"])
+def test_streamed_batches_equal_torchs_and_each_sample_is_freed_before_the_next(kind):
+    assert BigSamples(kind)._big(0).nbytes >= STREAM_MIN_BYTES
+    kw = dict(batch_size=BATCH, num_workers=2)
+    ours = list(torchfeed.DataLoader(BigSamples(kind), **kw))
+    theirs = list(torch.utils.data.DataLoader(BigSamples(kind), **kw))
+    assert len(ours) == len(theirs) == LENGTH // BATCH
+    for a, b in zip(ours, theirs):
+        assert_same(_drop_flags(a, kind), _drop_flags(b, kind))
+    # torch holds every sample of a batch until it collates them.
+    assert all(_flags(b, kind)[1:].all() for b in theirs)
+    # Streamed: every sample after a batch's first was fetched once the one
+    # before it had been copied into the slot and freed. Each worker's first
+    # batch has no slot yet, so it is fetched whole, as torch does.
+    for b in ours[2:]:
+        assert not _flags(b, kind)[1:].any()
+    assert all(_flags(b, kind)[1:].all() for b in ours[:2])
+
+
+class OddOneOut(Dataset):
+    """Big tensors, except that one sample of a streamed batch breaks the layout."""
+
+    def __init__(self, odd: str, at: int = 5 * BATCH + 3):
+        self.odd, self.at = odd, at
+
+    def __len__(self):
+        return LENGTH
+
+    def __getitem__(self, i):
+        big = torch.full((3, 96, 96), float(i))
+        sample = {"image": big, "array": np.full((200, 100), i, np.float32), "id": i}
+        if i != self.at:
+            return sample
+        if self.odd == "shape":
+            sample["image"] = torch.full((3, 96, 95), float(i))
+        elif self.odd == "dtype":
+            sample["image"] = big.double()
+        elif self.odd == "list":  # default_collate takes a list where it had arrays
+            sample["array"] = np.full((200, 100), i, np.float32).tolist()
+        elif self.odd == "type":  # a tensor where it had numpy arrays
+            sample["array"] = torch.full((200, 100), float(i))
+        elif self.odd == "missing":
+            del sample["image"]
+        return sample
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("odd", ["dtype", "list", "type"])
+def test_a_sample_that_breaks_the_layout_gets_torchs_result(odd):
+    kw = dict(batch_size=BATCH, num_workers=2)
+    ours = list(torchfeed.DataLoader(OddOneOut(odd), **kw))
+    theirs = list(torch.utils.data.DataLoader(OddOneOut(odd), **kw))
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert_same(a, b)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("odd, error, words", [
+    # torch's worker says "Trying to resize storage that is not resizable" here
+    ("shape", RuntimeError, "stack expects each tensor to be equal size"),
+    ("missing", KeyError, "'image'"),
+])
+def test_a_sample_that_breaks_the_layout_gets_torchs_error(odd, error, words):
+    kw = dict(batch_size=BATCH, num_workers=2)
+    with pytest.raises(error):
+        list(torch.utils.data.DataLoader(OddOneOut(odd), **kw))
+    with pytest.raises(error, match=words) as info:
+        list(torchfeed.DataLoader(OddOneOut(odd), **kw))
+    assert "batch 5" in str(info.value)  # the streamed batch the odd sample is in
+
+
+@pytest.mark.timeout(60)
+def test_streamed_samples_get_their_own_types_back_when_streaming_stops():
+    # In one process, on a real slot: the samples streamed before the odd one
+    # reach default_collate as they were, numpy arrays included.
+    ch = create_channel(1)
+    packer, unpacker = ch.packer(0), ch.unpacker()
+    data = OddOneOut("list", at=BATCH + 5)
+    try:
+        collate = packer.choose_collate(default_collate)
+        assert getattr(collate, "takes_sample_stream", False)
+        for start in (0, BATCH):
+            indices = list(range(start, start + BATCH))
+            batch = unpacker.unpack(packer.pack(collate(SampleStream(data.__getitem__,
+                                                                     indices))))
+            assert_same(batch, default_collate([data[i] for i in indices]))
+            del batch
+    finally:
+        packer.close()
+        unpacker.close()
