@@ -10,7 +10,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, IterableDataset, default_collate
 
 import torchfeed
 from loader_helpers import assert_same
@@ -157,10 +157,57 @@ def test_streamed_samples_get_their_own_types_back_when_streaming_stops():
         assert getattr(collate, "takes_sample_stream", False)
         for start in (0, BATCH):
             indices = list(range(start, start + BATCH))
-            batch = unpacker.unpack(packer.pack(collate(SampleStream(data.__getitem__,
-                                                                     indices))))
+            samples = SampleStream(map(data.__getitem__, indices), len(indices))
+            batch = unpacker.unpack(packer.pack(collate(samples)))
             assert_same(batch, default_collate([data[i] for i in indices]))
             del batch
     finally:
         packer.close()
         unpacker.close()
+
+
+class BigStream(IterableDataset):
+    """Each worker's share of ``length`` big samples, flagged like BigSamples;
+    ``odd_tail`` gives the last sample another shape."""
+
+    def __init__(self, length=LENGTH + 5, odd_tail=False):
+        self.length, self.odd_tail = length, odd_tail
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        last = None
+        for i in range(info.id, self.length, info.num_workers):
+            previous_alive = last is not None and last() is not None
+            side = 95 if self.odd_tail and i >= self.length - info.num_workers else 96
+            big = torch.full((3, side, 96), float(i))
+            last = weakref.ref(big)
+            yield big, i, previous_alive
+            del big
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_iterable_dataset_batches_are_streamed_and_equal_torchs(drop_last):
+    kw = dict(batch_size=BATCH, num_workers=2, drop_last=drop_last)
+    ours = list(torchfeed.DataLoader(BigStream(), **kw))
+    theirs = list(torch.utils.data.DataLoader(BigStream(), **kw))
+    assert len(ours) == len(theirs) == (10 if drop_last else 12)  # 42 and 43 per worker
+    for a, b in zip(ours, theirs):
+        assert_same(a[:2], b[:2])
+    assert all(b[2][1:].all() for b in theirs)
+    full = [b for b in ours[2:] if len(b[1]) == BATCH]
+    assert full and not any(b[2][1:].any() for b in full)
+
+
+@pytest.mark.timeout(120)
+def test_iterable_short_last_batch_under_drop_last_is_dropped_uncollated():
+    # The last two samples have another shape, and each lands in its worker's
+    # short last batch: torch drops those batches without collating them.
+    kw = dict(batch_size=BATCH, num_workers=2, drop_last=True)
+    ours = list(torchfeed.DataLoader(BigStream(odd_tail=True), **kw))
+    theirs = list(torch.utils.data.DataLoader(BigStream(odd_tail=True), **kw))
+    assert len(ours) == len(theirs) == 10
+    for a, b in zip(ours, theirs):
+        assert_same(a[:2], b[:2])
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        list(torchfeed.DataLoader(BigStream(odd_tail=True), batch_size=BATCH, num_workers=2))

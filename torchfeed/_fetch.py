@@ -11,13 +11,15 @@ and called once per task.  The semantics are torch's, case by case:
 * map-style without batching (``batch_size=None``): ``dataset[index]`` then
   ``collate_fn`` (``default_convert`` by default);
 * iterable with batching: up to ``len(indices)`` items from the dataset's
-  iterator; an empty batch, or a short one under ``drop_last``, ends the stream;
+  iterator; an empty batch, or a short one under ``drop_last``, ends the stream.
+  A collate that takes a ``SampleStream`` gets them lazily here too;
 * iterable without batching: one item per task.
 
 ``StopIteration`` from an iterable fetcher means "this worker's stream is done".
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 from ._errors import explain_lookup_error
@@ -43,7 +45,7 @@ class MapFetcher:
                 explain_lookup_error(exc, self.dataset, indices, batched=True)
                 raise
         elif self._lazy:
-            samples = SampleStream(self._get, indices)
+            samples = SampleStream(map(self._get, indices), len(indices))
         else:
             samples = [self._get(i) for i in indices]
         return self.collate_fn(samples)
@@ -64,6 +66,7 @@ class IterableFetcher:
         self.drop_last = drop_last
         self._iterator = None
         self.ended = False
+        self._lazy = bool(getattr(collate_fn, "takes_sample_stream", False))
 
     def _stream(self):
         # The dataset's __iter__ runs lazily, on the first task, as in torch:
@@ -82,6 +85,8 @@ class IterableFetcher:
             except StopIteration:
                 self.ended = True
                 raise
+        if self._lazy:
+            return self._fetch_lazily(stream, len(indices))
         samples = []
         for _ in range(len(indices)):
             try:
@@ -93,6 +98,41 @@ class IterableFetcher:
             self.ended = True
             raise StopIteration
         return self.collate_fn(samples)
+
+    def _fetch_lazily(self, stream, n: int):
+        try:
+            first = next(stream)  # an empty batch must never reach the collate
+        except StopIteration:
+            self.ended = True
+            raise
+        short = False
+
+        def items(first):
+            nonlocal short
+            yield first
+            del first  # the collate may free each sample once it has copied it
+            taken = 1
+            for sample in itertools.islice(stream, n - 1):
+                taken += 1
+                yield sample
+                del sample
+            short = taken < n  # reached only when the stream is drained
+
+        samples = SampleStream(items(first), n)
+        del first
+        try:
+            batch = self.collate_fn(samples)
+        except Exception:
+            if not (short and self.drop_last):
+                raise
+            # torch drops a short last batch under drop_last without collating
+            # it, so its collate error must not surface either.
+            batch = None
+        if short:
+            self.ended = True
+            if self.drop_last:
+                raise StopIteration
+        return batch
 
 
 def create_fetcher(is_iterable: bool, dataset, auto_collation: bool, collate_fn, drop_last: bool):

@@ -17,7 +17,8 @@ fetched, so the allocator hands the same warm memory to the next one. The
 collate then finds each output already stacked and returns it as is.
 
 A sample that does not fit the layout (another type, shape or dtype, a
-missing key, a tensor that requires grad) ends the streaming for the batch:
+missing key, a tensor that requires grad), or an IterableDataset's stream
+that ends before the batch is full, ends the streaming for the batch:
 the samples already streamed get copies of their arrays back, in the types
 they had, the slot is written from its start again, and the collate runs over
 all the samples as torch's does in a worker, raising torch's errors (or
@@ -43,19 +44,24 @@ _TORCH_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF_TORCH.items()}
 
 
 class SampleStream:
-    """The samples of one task, fetched as they are iterated; iterate once."""
+    """The samples of one task, fetched as they are iterated: ``items`` is an
+    iterator over at most ``n`` of them (fewer only at the end of an
+    IterableDataset's stream); iterate once."""
 
-    __slots__ = ("_get", "_indices")
+    __slots__ = ("_items", "_n")
 
-    def __init__(self, get, indices):
-        self._get = get
-        self._indices = indices
+    def __init__(self, items, n: int):
+        self._items = items
+        self._n = n
 
     def __len__(self) -> int:
-        return len(self._indices)
+        return self._n
 
     def __iter__(self):
-        return map(self._get, self._indices)
+        return iter(self._items)
+
+
+_END = object()
 
 
 class _Mismatch(Exception):
@@ -175,16 +181,20 @@ def stream_samples(samples, reserve):
     ``{id(first row): leaf}`` for every output whose rows are all in place."""
     n = len(samples)
     it = iter(samples)
-    first = next(it, None) if n else None
-    layout = plan(first, lambda shape, dtype: reserve((n, *shape), dtype)) if n else None
+    first = next(it, _END)
+    if first is _END:
+        return [], {}
+    layout = plan(first, lambda shape, dtype: reserve((n, *shape), dtype))
     if layout is None:
-        return ([first, *it] if n else []), {}
+        return [first, *it], {}
     out = []
     x, first = first, None
     try:
         for i in range(n):
             if i:
-                x = next(it)
+                x = next(it, _END)
+                if x is _END:  # the stream ended short: rows to spare
+                    raise _Mismatch
             out.append(_rebuild(x, layout, lambda leaf, a: leaf.put(a, i)))
             # Its big arrays are in the slot now: drop them before the next
             # fetch, so the allocator hands their warm memory to it.
@@ -192,6 +202,6 @@ def stream_samples(samples, reserve):
     except _Mismatch:
         # ``x`` is untouched: only the streamed samples need their arrays back.
         restored = [_rebuild(s, layout, _Leaf.give_back) for s in out]
-        return [*restored, x, *it], {}
+        return [*restored, *([] if x is _END else [x, *it])], {}
     leaves = list(_leaves(layout))
     return out, {id(leaf.rows[0]): leaf for leaf in leaves}
