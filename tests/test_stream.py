@@ -15,11 +15,11 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 import torchfeed
 from loader_helpers import assert_same
 from torchfeed._transport import SampleStream, create_channel
-from torchfeed._transport._stream import STREAM_MIN_BYTES
+from torchfeed._transport._stream import STREAM_MIN_BATCH_BYTES, STREAM_MIN_BYTES
 
 Views = collections.namedtuple("Views", "left right")
-BATCH = 8
-LENGTH = 10 * BATCH  # five batches per worker: all but each worker's first are streamed
+BATCH = 16
+LENGTH = 6 * BATCH  # three batches per worker: all but each worker's first are streamed
 
 
 class BigSamples(Dataset):
@@ -34,7 +34,7 @@ class BigSamples(Dataset):
     def __len__(self):
         return LENGTH
 
-    def _big(self, i, dtype=torch.float32, side=96):
+    def _big(self, i, dtype=torch.float32, side=192):
         t = torch.arange(3 * side * side, dtype=torch.float64).reshape(3, side, side)
         return ((t + i) % 97).to(dtype)
 
@@ -44,13 +44,13 @@ class BigSamples(Dataset):
             big = self._big(i)
             sample = (big, i, previous_alive)
         elif self.kind == "numpy":
-            big = np.ascontiguousarray(self._big(i, torch.uint8, 160).permute(1, 2, 0).numpy())
+            big = np.ascontiguousarray(self._big(i, torch.uint8, 320).permute(1, 2, 0).numpy())
             sample = {"image": big, "name": f"s{i}", "small": torch.tensor([i, -i]),
                       "previous_alive": previous_alive}
         else:  # nested, several dtypes, a non-contiguous input
-            big = self._big(i, torch.bfloat16, 160).transpose(1, 2)
-            sample = Views(left=[big, self._big(i, torch.bool, 160), 2.5 * i],
-                           right={"c": self._big(i, torch.complex64, 64),
+            big = self._big(i, torch.bfloat16, 256).transpose(1, 2)
+            sample = Views(left=[big, self._big(i, torch.bool, 320), 2.5 * i],
+                           right={"c": self._big(i, torch.complex64, 128),
                                   "flag": previous_alive})
         self.last = weakref.ref(big)
         return sample
@@ -75,7 +75,8 @@ def _drop_flags(batch, kind):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["tensor", "numpy", "nested"])
 def test_streamed_batches_equal_torchs_and_each_sample_is_freed_before_the_next(kind):
-    assert BigSamples(kind)._big(0).nbytes >= STREAM_MIN_BYTES
+    smallest = BigSamples(kind)._big(0, torch.uint8, 320).nbytes
+    assert smallest >= STREAM_MIN_BYTES and smallest * BATCH >= STREAM_MIN_BATCH_BYTES
     kw = dict(batch_size=BATCH, num_workers=2)
     ours = list(torchfeed.DataLoader(BigSamples(kind), **kw))
     theirs = list(torch.utils.data.DataLoader(BigSamples(kind), **kw))
@@ -95,25 +96,25 @@ def test_streamed_batches_equal_torchs_and_each_sample_is_freed_before_the_next(
 class OddOneOut(Dataset):
     """Big tensors, except that one sample of a streamed batch breaks the layout."""
 
-    def __init__(self, odd: str, at: int = 5 * BATCH + 3):
+    def __init__(self, odd: str, at: int = 5 * BATCH + 3):  # in worker 1's third batch
         self.odd, self.at = odd, at
 
     def __len__(self):
         return LENGTH
 
     def __getitem__(self, i):
-        big = torch.full((3, 96, 96), float(i))
-        sample = {"image": big, "array": np.full((200, 100), i, np.float32), "id": i}
+        big = torch.full((3, 192, 192), float(i))
+        sample = {"image": big, "array": np.full((400, 200), i, np.float32), "id": i}
         if i != self.at:
             return sample
         if self.odd == "shape":
-            sample["image"] = torch.full((3, 96, 95), float(i))
+            sample["image"] = torch.full((3, 192, 191), float(i))
         elif self.odd == "dtype":
             sample["image"] = big.double()
         elif self.odd == "list":  # default_collate takes a list where it had arrays
-            sample["array"] = np.full((200, 100), i, np.float32).tolist()
+            sample["array"] = np.full((400, 200), i, np.float32).tolist()
         elif self.odd == "type":  # a tensor where it had numpy arrays
-            sample["array"] = torch.full((200, 100), float(i))
+            sample["array"] = torch.full((400, 200), float(i))
         elif self.odd == "missing":
             del sample["image"]
         return sample
@@ -155,12 +156,17 @@ def test_streamed_samples_get_their_own_types_back_when_streaming_stops():
     try:
         collate = packer.choose_collate(default_collate)
         assert getattr(collate, "takes_sample_stream", False)
-        for start in (0, BATCH):
+        streamed = []
+        for start in (0, BATCH, 2 * BATCH):  # no slot yet, the odd batch, a plain one
             indices = list(range(start, start + BATCH))
             samples = SampleStream(map(data.__getitem__, indices), len(indices))
             batch = unpacker.unpack(packer.pack(collate(samples)))
+            streamed.append(len(collate.streamed))
             assert_same(batch, default_collate([data[i] for i in indices]))
             del batch
+        # Both arrays stream in a batch that fits the layout: the odd batch
+        # really started streaming, then gave the arrays back.
+        assert streamed == [0, 0, 2]
     finally:
         packer.close()
         unpacker.close()
@@ -178,8 +184,8 @@ class BigStream(IterableDataset):
         last = None
         for i in range(info.id, self.length, info.num_workers):
             previous_alive = last is not None and last() is not None
-            side = 95 if self.odd_tail and i >= self.length - info.num_workers else 96
-            big = torch.full((3, side, 96), float(i))
+            side = 191 if self.odd_tail and i >= self.length - info.num_workers else 192
+            big = torch.full((3, side, 192), float(i))
             last = weakref.ref(big)
             yield big, i, previous_alive
             del big
@@ -191,7 +197,8 @@ def test_iterable_dataset_batches_are_streamed_and_equal_torchs(drop_last):
     kw = dict(batch_size=BATCH, num_workers=2, drop_last=drop_last)
     ours = list(torchfeed.DataLoader(BigStream(), **kw))
     theirs = list(torch.utils.data.DataLoader(BigStream(), **kw))
-    assert len(ours) == len(theirs) == (10 if drop_last else 12)  # 42 and 43 per worker
+    # 51 and 50 samples per worker: three full batches each, and a short one
+    assert len(ours) == len(theirs) == (6 if drop_last else 8)
     for a, b in zip(ours, theirs):
         assert_same(a[:2], b[:2])
     assert all(b[2][1:].all() for b in theirs)
@@ -206,7 +213,7 @@ def test_iterable_short_last_batch_under_drop_last_is_dropped_uncollated():
     kw = dict(batch_size=BATCH, num_workers=2, drop_last=True)
     ours = list(torchfeed.DataLoader(BigStream(odd_tail=True), **kw))
     theirs = list(torch.utils.data.DataLoader(BigStream(odd_tail=True), **kw))
-    assert len(ours) == len(theirs) == 10
+    assert len(ours) == len(theirs) == 6
     for a, b in zip(ours, theirs):
         assert_same(a[:2], b[:2])
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
