@@ -121,6 +121,36 @@ def test_iter_error_without_workers_raised_by_iter_like_torch():
         iter(torchfeed.DataLoader(FailingIterIterable()))
 
 
+class StopsAt(torch.utils.data.Dataset):
+    """Raises StopIteration from __getitem__ at one index: small samples, or
+    big ones that the shared-memory transport streams into its slot."""
+
+    def __init__(self, at, big):
+        self.at, self.big = at, big
+
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        if i == self.at:
+            raise StopIteration
+        return torch.full((3, 192, 192) if self.big else (2,), float(i))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers, big", [(0, False), (2, False), (2, True)])
+def test_stop_iteration_from_getitem_is_an_error_not_a_short_batch_or_epoch(num_workers, big):
+    # torch with num_workers=0 ends the epoch there without a word; a batch
+    # fetched sample by sample must not come out short either.
+    at = 3 * 16 + 5  # worker 1's second batch: streamed when the samples are big
+    error, got = raised(torchfeed.DataLoader, StopsAt(at, big), batch_size=16,
+                        num_workers=num_workers)
+    assert type(error) is RuntimeError
+    assert f"dataset[{at}] raised StopIteration" in str(error)
+    assert "should raise IndexError" in str(error)
+    assert [len(b) for b in got] == [16, 16, 16]
+
+
 @pytest.mark.timeout(60)
 def test_collate_error():
     error, got = raised(torchfeed.DataLoader, RangeDataset(12), batch_size=2, num_workers=2,

@@ -56,6 +56,14 @@ class MapFetcher:
         except LookupError as exc:  # IndexError, KeyError: name the index and len(dataset)
             explain_lookup_error(exc, self.dataset, index)
             raise
+        except StopIteration as exc:
+            # Left alone, it would end whatever iteration is running: torch's
+            # num_workers=0 epoch stops early without a word, and the lazy
+            # stream of samples (SampleStream) would yield a short batch.
+            raise RuntimeError(
+                f"dataset[{index!r}] raised StopIteration. A map-style dataset's "
+                f"__getitem__ must return a sample; past its end it should raise "
+                f"IndexError.") from exc
 
 
 class IterableFetcher:
