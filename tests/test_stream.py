@@ -93,6 +93,26 @@ def test_streamed_batches_equal_torchs_and_each_sample_is_freed_before_the_next(
     assert all(_flags(b, kind)[1:].all() for b in ours[:2])
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")  # torch's, on CPU
+@pytest.mark.parametrize("options", [dict(multiprocessing_context="spawn"),
+                                     dict(persistent_workers=True, pin_memory=True)],
+                         ids=["spawn", "persistent-pinned"])
+def test_streaming_under_spawn_and_across_persistent_epochs(options):
+    loader = torchfeed.DataLoader(BigSamples("numpy"), batch_size=BATCH, num_workers=2,
+                                  **options)
+    theirs = list(torch.utils.data.DataLoader(BigSamples("numpy"), batch_size=BATCH,
+                                              num_workers=2))
+    for epoch in range(2):
+        ours = list(loader)
+        for a, b in zip(ours, theirs):
+            assert_same(_drop_flags(a, "numpy"), _drop_flags(b, "numpy"))
+        streamed = [not _flags(b, "numpy")[1:].any() for b in ours]
+        # Persistent workers keep their slots: the second epoch streams from its first batch.
+        first_streamed = 0 if epoch and options.get("persistent_workers") else 2
+        assert all(streamed[first_streamed:]) and len(ours) == len(theirs)
+
+
 class OddOneOut(Dataset):
     """Big tensors, except that one sample of a streamed batch breaks the layout."""
 
