@@ -58,6 +58,7 @@ def test_bench_quick_prints_the_table_and_writes_json(tmp_path):
     assert data["command"].startswith("python -m torchfeed.bench --quick")
     assert {"cores_usable", "cpu_model", "torch"} <= set(data["machine"])
     assert data["config"]["num_workers"] == 1 and data["config"]["repeats"] == 1
+    assert data["config"]["first_batch_runs"] == 0  # --quick
     (result,) = data["results"]
     assert result["workload"] == "small" and result["batches"] == 3
     assert data["config"]["baseline"] == "torch@0"
@@ -89,11 +90,14 @@ def test_transport_reaches_torchfeed_only_when_given():
 @pytest.mark.parametrize("transport", ["torch", "shm"])
 def test_bench_runs_each_transport(transport):
     config = BenchConfig(["small"], num_workers=1, batches=2, repeats=1, transport=transport,
-                         progress=False)
+                         progress=False, first_batch_runs=2)
     (result,) = run_comparison(config)
     for name in ("torch", "torchfeed"):
         assert result.figures[name].error is None
         assert result.figures[name].runs[0].batches == 2
+        assert len(result.figures[name].first_batches) == 2
+        assert all(s > 0 for s in result.figures[name].first_batches)
+    assert result.figures["torch@0"].first_batches == []  # its first batch is not compared
 
 
 def test_baseline_is_torch_without_workers_and_can_be_left_out():
@@ -127,6 +131,10 @@ def test_table_medians_ratios_and_errors():
     ok = WorkloadResult(WORKLOADS["small"], 10, {"torch": theirs, "torchfeed": ours})
     assert ok.ratio("batches_per_s") == pytest.approx(2.0)  # medians 200 / 100
     assert ok.ratio("cpu_us_per_batch") == pytest.approx(0.25)
+    # First-batch-only runs count towards the first batch, and nothing else.
+    steadier = LoaderFigures(list(ours.runs), first_batches=[0.3, 0.3, 0.3, 0.3])
+    assert steadier.median("first_batch_s") == pytest.approx(0.3)
+    assert steadier.median("batches_per_s") == pytest.approx(200.0)
     broken = WorkloadResult(WORKLOADS["image"], 10, {
         "torch": theirs, "torchfeed": LoaderFigures(error="TypeError: boom")})
     table = format_table([ok, broken])

@@ -63,8 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the third loader, torch with num_workers=0, and the "
                              "'vs num_workers=0' columns")
+    parser.add_argument("--first-batch-runs", type=_non_negative, default=None,
+                        help="more runs per loader that stop at the first batch, for a "
+                             "steadier first-batch figure (default: 6, 0 with --quick)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: a tenth of the batches and 1 repeat")
+                        help="smoke run: a tenth of the batches, 1 repeat, no first-batch runs")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress display on stderr")
     return parser
@@ -81,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress=not args.no_progress,
         quick=args.quick,
         baseline=not args.no_baseline,
+        first_batch_runs=(args.first_batch_runs if args.first_batch_runs is not None
+                          else (0 if args.quick else 6)),
     )
     command = command_line(None if argv is None else [sys.argv[0], *argv])
     info = machine_info()

@@ -40,19 +40,28 @@ METRICS: dict[str, str] = {
 
 @dataclass
 class LoaderFigures:
-    """One loader on one workload: every run, and the median of each metric."""
+    """One loader on one workload: every run, and the median of each metric.
+
+    The first-batch figure also takes ``first_batches``: runs that stop at the
+    first batch. One per timed run is too few on a shared machine, where a
+    single slow worker start moves the median of three."""
 
     runs: list[Timing] = field(default_factory=list)
+    first_batches: list[float] = field(default_factory=list)
     error: str | None = None
 
     def median(self, metric: str) -> float | None:
         if not self.runs:
             return None
-        return statistics.median(getattr(r, metric) for r in self.runs)
+        values = [getattr(r, metric) for r in self.runs]
+        if metric == "first_batch_s":
+            values += self.first_batches
+        return statistics.median(values)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {m: self.median(m) for m in METRICS}
         data["runs"] = [r.to_dict() for r in self.runs]
+        data["first_batch_only_s"] = list(self.first_batches)
         data["leftover_processes"] = max((r.leftover_processes for r in self.runs), default=0)
         data["error"] = self.error
         return data
@@ -99,6 +108,7 @@ class BenchConfig:
     progress: bool = True
     quick: bool = False  # a tenth of each workload's default batches
     baseline: bool = True  # also time torch at num_workers=0 (when num_workers > 0)
+    first_batch_runs: int = 6  # more runs of torch and torchfeed that stop at the first batch
 
     def loaders(self) -> tuple[str, ...]:
         if self.baseline and self.num_workers > 0:
@@ -140,7 +150,8 @@ def run_comparison(config: BenchConfig) -> list[WorkloadResult]:
         raise ValueError(f"unknown workload(s) {', '.join(unknown)}; "
                          f"choose from {', '.join(WORKLOADS)}")
     results = []
-    steps = len(config.workloads) * (config.repeats + 1) * len(config.loaders())
+    steps = len(config.workloads) * ((config.repeats + 1) * len(config.loaders())
+                                     + config.first_batch_runs * len(LOADERS))
     with Progress(steps, "torchfeed.bench", enabled=config.progress) as bar:
         for name in config.workloads:
             results.append(_run_workload(WORKLOADS[name], config, bar))
@@ -182,4 +193,18 @@ def _run_workload(workload: Workload, config: BenchConfig, bar: Progress) -> Wor
                 figures[name].error = describe_error(exc)
                 continue
             figures[name].runs.append(timing)
+    for run in range(config.first_batch_runs):
+        order = LOADERS if run % 2 == 0 else LOADERS[::-1]
+        for name in order:
+            bar.step(f"{workload.name} {name} first batch {run + 1}/{config.first_batch_runs}")
+            if figures[name].error is not None:
+                continue
+            try:
+                cls = loader_class(name)
+                kwargs = config.loader_kwargs(name, workload)
+                timing = time_loader(lambda: cls(dataset, **kwargs), batches=0)
+            except Exception as exc:
+                figures[name].error = describe_error(exc)
+                continue
+            figures[name].first_batches.append(timing.first_batch_s)
     return WorkloadResult(workload, batches, figures)

@@ -161,7 +161,10 @@ def format_report(results: Sequence[WorkloadResult], config: BenchConfig,
         "",
         "tf/torch = torchfeed's figure / torch's. batches/s: above 1.00x means torchfeed is "
         "faster; first batch, main CPU and memory: below 1.00x means torchfeed is better.",
-        "first batch: iter() to the first batch, worker start included. main CPU: "
+        "first batch: iter() to the first batch, worker start included"
+        + (f" (also over {config.first_batch_runs} runs per loader that stop there)"
+           if config.first_batch_runs else "")
+        + ". main CPU: "
         "process_time() of the consuming process per timed batch. peak MiB: RSS of the main "
         "process + its workers, plus /dev/shm growth.",
         "Figures are medians; on a shared or busy machine they move between runs.",
@@ -192,6 +195,7 @@ def to_json(results: Sequence[WorkloadResult], config: BenchConfig,
             "num_workers": config.num_workers,
             "batches": config.batches,
             "repeats": config.repeats,
+            "first_batch_runs": config.first_batch_runs,
             "transport": config.transport,
             "baseline": BASELINE if BASELINE in config.loaders() else None,
         },
