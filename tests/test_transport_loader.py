@@ -149,6 +149,44 @@ def test_escape_hatch_argument_and_environment(monkeypatch):
     assert all(not _in_slot(b.image) for b in loader)
 
 
+class MixedDtypes(Dataset):
+    """Small float32 tensors, and one float64 among them in each batch."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.full((3,), i + 0.25, dtype=torch.float64 if i % 4 == 1 else torch.float32)
+
+
+def _as_tuple(samples):
+    return tuple(torch.utils.data.default_collate(samples))
+
+
+@pytest.mark.timeout(120)
+def test_stacking_keeps_the_first_samples_dtype_as_torchs_workers_do():
+    # torch's default_collate in a worker stacks into a tensor of the first
+    # element's dtype; in the main process it would promote to float64.
+    kw = dict(batch_size=4, num_workers=2)
+    ours = list(torchfeed.DataLoader(MixedDtypes(), **kw))
+    theirs = list(torch.utils.data.DataLoader(MixedDtypes(), **kw))
+    assert all(b.dtype == torch.float32 for b in theirs)
+    for a, b in zip(ours, theirs):
+        assert _same(a, b)
+
+
+@pytest.mark.timeout(120)
+def test_escape_hatch_sends_tuple_batches_through_torchs_reductions():
+    # A plain tuple is also the shape of the shm transport's own message; with
+    # transport="torch" it is the user's batch and must cross as torch sends it.
+    kw = dict(batch_size=4, num_workers=1, collate_fn=_as_tuple)
+    theirs = next(iter(torch.utils.data.DataLoader(Images(), **kw)))
+    ours = next(iter(torchfeed.DataLoader(Images(), transport="torch", **kw)))
+    assert type(ours) is type(theirs) is tuple
+    assert ours[0].is_shared() and theirs[0].is_shared()
+    assert _same(ours[0], theirs[0])
+
+
 @pytest.mark.timeout(120)
 def test_holding_every_batch_and_slot_reuse_across_epochs():
     loader = torchfeed.DataLoader(Images(n=64), batch_size=4, num_workers=2,
