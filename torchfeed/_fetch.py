@@ -26,6 +26,11 @@ from ._errors import explain_lookup_error
 from ._transport import SampleStream
 
 
+def takes_sample_stream(collate_fn) -> bool:
+    """Whether ``collate_fn`` fetches the samples itself from a ``SampleStream``."""
+    return bool(getattr(collate_fn, "takes_sample_stream", False))
+
+
 class MapFetcher:
     def __init__(self, dataset, auto_collation: bool, collate_fn: Callable):
         self.dataset = dataset
@@ -33,7 +38,7 @@ class MapFetcher:
         self.collate_fn = collate_fn
         getitems = getattr(dataset, "__getitems__", None)
         self._getitems = getitems if callable(getitems) else None
-        self._lazy = bool(getattr(collate_fn, "takes_sample_stream", False))
+        self._lazy = takes_sample_stream(collate_fn)
 
     def fetch(self, indices) -> Any:
         if not self.auto_collation:
@@ -74,7 +79,7 @@ class IterableFetcher:
         self.drop_last = drop_last
         self._iterator = None
         self.ended = False
-        self._lazy = bool(getattr(collate_fn, "takes_sample_stream", False))
+        self._lazy = takes_sample_stream(collate_fn)
 
     def _stream(self):
         # The dataset's __iter__ runs lazily, on the first task, as in torch:
@@ -93,21 +98,7 @@ class IterableFetcher:
             except StopIteration:
                 self.ended = True
                 raise
-        if self._lazy:
-            return self._fetch_lazily(stream, len(indices))
-        samples = []
-        for _ in range(len(indices)):
-            try:
-                samples.append(next(stream))
-            except StopIteration:
-                self.ended = True
-                break
-        if not samples or (self.drop_last and len(samples) < len(indices)):
-            self.ended = True
-            raise StopIteration
-        return self.collate_fn(samples)
-
-    def _fetch_lazily(self, stream, n: int):
+        n = len(indices)
         try:
             first = next(stream)  # an empty batch must never reach the collate
         except StopIteration:
@@ -118,7 +109,7 @@ class IterableFetcher:
         def items(first):
             nonlocal short
             yield first
-            del first  # the collate may free each sample once it has copied it
+            del first  # a streaming collate may free each sample once it has copied it
             taken = 1
             for sample in itertools.islice(stream, n - 1):
                 taken += 1
@@ -128,13 +119,16 @@ class IterableFetcher:
 
         samples = SampleStream(items(first), n)
         del first
+        if not self._lazy:
+            samples = list(samples)  # torch's order: every sample, then the collate
+        # torch drops a short last batch under drop_last without collating it.
+        # A streaming collate finds it short only after the fact, so its error
+        # must not surface either.
         try:
-            batch = self.collate_fn(samples)
+            batch = None if short and self.drop_last else self.collate_fn(samples)
         except Exception:
             if not (short and self.drop_last):
                 raise
-            # torch drops a short last batch under drop_last without collating
-            # it, so its collate error must not surface either.
             batch = None
         if short:
             self.ended = True

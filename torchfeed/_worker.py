@@ -222,7 +222,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     exhausted = False
     results = ResultWriter(result_queue)
     index_fds = [index_queue._reader.fileno()]
-    plain_tuples = getattr(packer, "plain_tuples", False)
+    plain_tuples = packer.plain_tuples
     try:
         while True:
             # Queue.get(timeout=...) builds and tears down a selector per call;

@@ -119,6 +119,8 @@ def create_channel(num_workers: int, mp_context=None, options=None):
 
 
 class _IdentityPacker:
+    plain_tuples = False  # pack() returns the user's batch: torch's reductions must see it
+
     def __init__(self, worker_id):
         self.worker_id = worker_id
 

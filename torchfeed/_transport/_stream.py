@@ -125,8 +125,15 @@ def _children(x):
     return None
 
 
-def _worth_streaming(nbytes: int, n: int) -> bool:
-    return nbytes >= STREAM_MIN_BYTES and nbytes * n >= STREAM_MIN_BATCH_BYTES
+def _output_dtype(x, n: int):
+    """The torch dtype of the output for array ``x`` of ``n`` in a batch, or
+    None when it is not worth streaming (too small) or cannot be (not a plain
+    tensor or a numpy array torch takes as it is)."""
+    if x.nbytes < STREAM_MIN_BYTES or x.nbytes * n < STREAM_MIN_BATCH_BYTES:
+        return None
+    if type(x) is torch.Tensor:
+        return x.dtype if _slot_tensor(x) else None
+    return None if _negative_strides(x) else _TORCH_OF_NUMPY.get(x.dtype)
 
 
 def plan(x, n: int, reserve):
@@ -135,17 +142,10 @@ def plan(x, n: int, reserve):
     streaming. ``reserve(shape, dtype)`` returns the ``(n, *shape)`` output,
     or None when the slot is full."""
     tp = type(x)
-    if tp is torch.Tensor:
-        if _worth_streaming(x.nbytes, n) and _slot_tensor(x):
-            out = reserve((n, *x.shape), x.dtype)
-            return None if out is None else _Leaf(x, out)
-        return None
-    if tp is np.ndarray:
-        dtype = _TORCH_OF_NUMPY.get(x.dtype)
-        if dtype is not None and _worth_streaming(x.nbytes, n) and not _negative_strides(x):
-            out = reserve((n, *x.shape), dtype)
-            return None if out is None else _Leaf(x, out)
-        return None
+    if tp is torch.Tensor or tp is np.ndarray:
+        dtype = _output_dtype(x, n)
+        out = None if dtype is None else reserve((n, *x.shape), dtype)
+        return None if out is None else _Leaf(x, out)
     items = _children(x)
     if items is None:
         return None

@@ -158,6 +158,13 @@ def run_comparison(config: BenchConfig) -> list[WorkloadResult]:
     return results
 
 
+def _time(name: str, config: BenchConfig, workload: Workload, dataset, batches: int) -> Timing:
+    """One run of loader ``name`` on ``dataset``: its first batch, then ``batches`` more."""
+    cls = loader_class(name)
+    kwargs = config.loader_kwargs(name, workload)
+    return time_loader(lambda: cls(dataset, **kwargs), batches=batches)
+
+
 def _run_workload(workload: Workload, config: BenchConfig, bar: Progress) -> WorkloadResult:
     batches = config.batches_for(workload)
     # Room for the first batch, the timed ones and everything still in flight
@@ -172,9 +179,7 @@ def _run_workload(workload: Workload, config: BenchConfig, bar: Progress) -> Wor
     for name in loaders:
         bar.step(f"{workload.name} {name} warm-up")
         try:
-            cls = loader_class(name)
-            kwargs = config.loader_kwargs(name, workload)
-            time_loader(lambda: cls(dataset, **kwargs), batches=min(3, batches))
+            _time(name, config, workload, dataset, min(3, batches))
         except Exception:
             pass  # the timed runs below fail the same way and report it
     for repeat in range(config.repeats):
@@ -186,9 +191,7 @@ def _run_workload(workload: Workload, config: BenchConfig, bar: Progress) -> Wor
             if figures[name].error is not None:
                 continue  # it failed once; failing again says nothing new
             try:
-                cls = loader_class(name)
-                kwargs = config.loader_kwargs(name, workload)
-                timing = time_loader(lambda: cls(dataset, **kwargs), batches=batches)
+                timing = _time(name, config, workload, dataset, batches)
             except Exception as exc:  # reported in the table, the other rows go on
                 figures[name].error = describe_error(exc)
                 continue
@@ -200,9 +203,7 @@ def _run_workload(workload: Workload, config: BenchConfig, bar: Progress) -> Wor
             if figures[name].error is not None:
                 continue
             try:
-                cls = loader_class(name)
-                kwargs = config.loader_kwargs(name, workload)
-                timing = time_loader(lambda: cls(dataset, **kwargs), batches=0)
+                timing = _time(name, config, workload, dataset, 0)
             except Exception as exc:
                 figures[name].error = describe_error(exc)
                 continue
