@@ -4,9 +4,11 @@ Each case loads batches of ``batch`` samples, each a uint8 array of ``kib`` KiB
 (copied out of a small pool, as a decoder writes fresh memory) and an int, with
 ``torchfeed.DataLoader(num_workers=2)``, twice: with the arrays streamed into
 the slot sample by sample, and with the thresholds raised out of reach so the
-batch is stacked after all its samples are fetched. Runs alternate between the
-two; the figure is the ratio of the medians of batches/s. It is what the
-thresholds in ``_stream.py`` were chosen from: the cases that straddle them.
+batch is stacked after all its samples are fetched; and with
+``torch.utils.data.DataLoader(num_workers=2)`` for scale. Runs alternate
+between the three; the figures are medians of batches/s and their ratios. It
+is what the thresholds in ``_stream.py`` were chosen from: the cases that
+straddle them.
 
 The thresholds are module constants that the forked workers inherit, so this
 script needs the ``fork`` start method (Linux).
@@ -44,15 +46,19 @@ class Arrays(Dataset):
         return self.pool[i % len(self.pool)].clone(), i
 
 
-def batches_per_s(nbytes: int, batch: int, stream: bool, timed: int) -> float:
+VARIANTS = ("streamed", "stacked", "torch")
+
+
+def batches_per_s(nbytes: int, batch: int, variant: str, timed: int) -> float:
     saved = _stream.STREAM_MIN_BYTES, _stream.STREAM_MIN_BATCH_BYTES
-    if stream:
+    if variant == "streamed":
         _stream.STREAM_MIN_BYTES = _stream.STREAM_MIN_BATCH_BYTES = 1
     else:
         _stream.STREAM_MIN_BYTES = _stream.STREAM_MIN_BATCH_BYTES = 1 << 62
+    cls = torch.utils.data.DataLoader if variant == "torch" else torchfeed.DataLoader
     try:
-        loader = torchfeed.DataLoader(Arrays(nbytes), batch_size=batch, num_workers=2,
-                                      multiprocessing_context="fork")
+        loader = cls(Arrays(nbytes), batch_size=batch, num_workers=2,
+                     multiprocessing_context="fork")
         it = iter(loader)
         for _ in range(20):  # worker start, and the first batch of each, which has no slot
             next(it)
@@ -79,18 +85,20 @@ def main(argv=None) -> None:
     print(f"thresholds now: {_stream.STREAM_MIN_BYTES >> 10} KiB per array, "
           f"{_stream.STREAM_MIN_BATCH_BYTES >> 20} MiB per batch; 2 workers, "
           f"{os.cpu_count()} cores, median of {args.repeats}")
-    print(f"{'case':>12}  {'batch MiB':>9}  {'streamed b/s':>12}  {'stacked b/s':>11}  ratio")
+    print(f"{'case':>12}  {'batch MiB':>9}  {'streamed b/s':>12}  {'stacked b/s':>11}  "
+          f"{'torch b/s':>9}  streamed/stacked  streamed/torch")
     for case in args.cases.split(","):
         kib, batch = (int(x) for x in case.lower().split("x"))
         nbytes = kib << 10
         timed = max(50, int(args.mib * (1 << 20) / (nbytes * batch)))
-        runs = {True: [], False: []}
-        for _ in range(args.repeats):
-            for stream in (True, False):
-                runs[stream].append(batches_per_s(nbytes, batch, stream, timed))
-        s, p = statistics.median(runs[True]), statistics.median(runs[False])
+        runs = {variant: [] for variant in VARIANTS}
+        for repeat in range(args.repeats):
+            shift = repeat % len(VARIANTS)  # each variant goes first on its share of repeats
+            for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+                runs[variant].append(batches_per_s(nbytes, batch, variant, timed))
+        s, p, t = (statistics.median(runs[v]) for v in VARIANTS)
         print(f"{kib:>6} KiB x{batch:<3}  {nbytes * batch / (1 << 20):>9.1f}  {s:>12.0f}  "
-              f"{p:>11.0f}  {s / p:.2f}x", flush=True)
+              f"{p:>11.0f}  {t:>9.0f}  {s / p:>15.2f}x  {s / t:>13.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,10 +39,11 @@ from ._layout import _NUMPY_OF_TORCH, _slot_tensor
 
 # Smaller arrays, or batches of them, stay in the cache until the stack reads
 # them back, and copying row by row costs more in calls than it saves.
-# ``python benchmarks/stream_threshold.py`` (two workers, 2 cores, 32 MiB L3),
-# streaming against stacking, batches/s: 0.93x for 64 KiB x 64, 0.98-1.11x for
-# 96 KiB x 64, 1.10-1.32x for 128 KiB x 64, 1.5x for 192 KiB x 64, 0.91-0.95x
-# for 150 KiB x 16, 1.00-1.11x for 150 KiB x 32, 1.4-1.6x for 150 KiB x 64.
+# One run of ``python benchmarks/stream_threshold.py`` (two workers, 2 cores,
+# 32 MiB L3), streaming against stacking, batches/s: 0.85x for 64 KiB x 64,
+# 0.86x for 96 KiB x 64, 1.53x for 128 KiB x 64, 1.34x for 192 KiB x 64,
+# 0.93x for 150 KiB x 16, 1.25x for 150 KiB x 32, 1.15x for 150 KiB x 64
+# (torch's DataLoader, in the same run: 8-15x slower than streaming).
 STREAM_MIN_BYTES = 128 << 10        # per array, in one sample
 STREAM_MIN_BATCH_BYTES = 4 << 20    # per array, over the batch
 
