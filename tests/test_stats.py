@@ -175,6 +175,33 @@ def test_persistent_workers_restart_counters_each_epoch():
         assert sum(w["batches"] for w in s["workers"]) == 6
 
 
+class SlowToHandOver(DataLoader):
+    """Builds its iterator, then waits before ``iter()`` returns it, as a
+    framework's wrapper might: the pin thread receives batches meanwhile."""
+
+    def _get_iterator(self):
+        iterator = super()._get_iterator()
+        time.sleep(0.5)
+        return iterator
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_batches_that_arrive_before_iter_returns_are_counted(monkeypatch, persistent):
+    # The pin thread counts each batch as it arrives.  A count reset when
+    # iter() returns would drop those that came in while it was building.
+    monkeypatch.setenv("TORCHFEED_PIN_THREAD_WITHOUT_ACCELERATOR", "1")
+    with pytest.warns(UserWarning, match="pin_memory"):
+        loader = SlowToHandOver(SleepDataset(12, 0.0), batch_size=2, num_workers=2,
+                                pin_memory=True, persistent_workers=persistent)
+        for epoch in range(2):
+            consume(loader, 0.0)
+            s = loader.stats()
+            assert s["epoch"] == epoch
+            assert s["batches_yielded"] == 6
+            assert sum(w["batches"] for w in s["workers"]) == 6, s["workers"]
+
+
 @pytest.mark.timeout(60)
 def test_log_line_every_n_batches(caplog):
     caplog.set_level(logging.INFO, logger="torchfeed")

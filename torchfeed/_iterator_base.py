@@ -76,9 +76,9 @@ class BaseIterator:
         self._pin_memory, self._pin_memory_device = pin_memory_plan(loader)
         self._IterableDataset_len_called = loader._IterableDataset_len_called
         self._epoch = 0
-        self._stats = IteratorStats(self, loader)
         self._stream = IndexStream(loader)
         self._start_stream(fresh=True)  # also draws the base seed, or restores a resumed one
+        self._stats = IteratorStats(self, loader, self._epoch)
         self._base_seed = self._stream.base_seed
 
     # -- the index stream ---------------------------------------------------

@@ -157,6 +157,9 @@ class MultiProcessIterator(ResultReceiver, BaseIterator):
                 marker, worker_id = self._get_data()
                 if isinstance(marker, ResumeIteration):
                     self._acks_pending.discard(worker_id)
+            # Nothing of the last epoch is left in flight, and nothing of this
+            # one is yet: the pin thread cannot count a batch into the wrong epoch.
+            self._stats.begin(self._epoch)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 

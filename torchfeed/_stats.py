@@ -15,10 +15,11 @@ time, fractions) is read only when someone asks: ``DataLoader.stats()`` or the
 log line.  The stats object holds the iterator through a weak reference, so
 asking for stats never keeps workers alive.
 
-Counters start when ``iter(loader)`` returns (``begin``), and restart at each
-epoch of a persistent-workers loader, so ``stats()`` always describes the
-current epoch.  Wall time stops when the epoch ends (``StopIteration``) or the
-iterator is dropped, so stats read after the loop still describe the loop.
+Counters restart at each epoch of a persistent-workers loader (``begin``,
+before the epoch's first task is sent) and the clock when ``iter(loader)``
+returns (``start_clock``), so ``stats()`` always describes the current epoch.
+Wall time stops when the epoch ends (``StopIteration``) or the iterator is
+dropped, so stats read after the loop still describe the loop.
 
 With ``num_workers=0`` the main process is the worker: its fetch + collate time
 is the time spent in ``__next__``, so its busy fraction equals the stall
@@ -44,14 +45,14 @@ class IteratorStats:
                  "start", "end", "wait", "yielded", "next_log", "worker_batches",
                  "worker_busy", "epoch", "_pin_base", "_live", "_window", "__weakref__")
 
-    def __init__(self, iterator, loader) -> None:
+    def __init__(self, iterator, loader, epoch: int) -> None:
         self._iterator = weakref.ref(iterator, self._iterator_gone)
         self.num_workers = loader.num_workers
         self.transport = getattr(loader, "transport", None) if self.num_workers else None
         self.log_every = getattr(loader, "log_every", None)
         self.limit = (loader.prefetch_factor or 0) * self.num_workers
         self._live = _idle_live(self.num_workers)
-        self.begin(0)
+        self.begin(epoch)
 
     # -- the hot path -------------------------------------------------------
     def on_yield(self, t0: float) -> None:
@@ -81,6 +82,12 @@ class IteratorStats:
 
     # -- epochs --------------------------------------------------------------
     def begin(self, epoch: int) -> None:
+        """Zero the counters for ``epoch``.
+
+        The iterator calls this before it sends the epoch's first task: with pin
+        memory, the pin thread counts results as they arrive (``on_result``), and
+        a reset after the first task went out could drop a batch already counted.
+        """
         it = self._iterator()
         pin = getattr(it, "_pin_thread", None)
         self._pin_base = pin.busy_seconds if pin is not None else 0.0
@@ -91,6 +98,10 @@ class IteratorStats:
         self.worker_busy = [0.0] * self.num_workers
         self.next_log = self.log_every or 0  # 0 never equals a count after +1
         self.end = None
+        self.start_clock()
+
+    def start_clock(self) -> None:
+        """Wall time starts here: when ``iter(loader)`` hands the iterator over."""
         self._read_live()  # worker pids, while the iterator is surely alive
         self.start = perf_counter()
         self._window = (self.start, 0.0, 0)

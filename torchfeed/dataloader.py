@@ -80,7 +80,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self):
         iterator = super().__iter__()
-        iterator._stats.begin(iterator._epoch)  # the clock starts when the user has it
+        iterator._stats.start_clock()  # when the user has it; counts began before any task
         self._stats_source = iterator._stats    # not the iterator: stats keep no worker alive
         return iterator
 
