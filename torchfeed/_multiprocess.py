@@ -4,7 +4,7 @@
     ------------                                 ---------------------------
     index stream ─ _try_put_index ─► index_queues[k] ─► fetch + collate + pack
                                                                 │
-    user ◄─ pin ◄─ reorder ◄─ _receive ◄────── result_queue ◄───┘
+    user ◄─ pin ◄─ reorder ◄─ receiver ◄────── result_queue ◄───┘
                                 (_receive.py)
 
 Book-keeping follows torch's: ``send_idx`` numbers tasks as they go out,
@@ -16,7 +16,8 @@ flight at once, sent round-robin.  Results that arrive early wait in
 
 Receiving (``_receive.py``) waits on the result queue and on every live
 worker's sentinel at once, so a worker that dies wakes the main process
-immediately (NOTE [ Waiting without hanging ] there).
+immediately (NOTE [ Waiting without hanging ] there).  The receiver holds no
+reference to the iterator, so neither does the pin thread that calls it.
 
 NOTE [ Shutdown ]
 See ``_processes.py``: one shared second of grace for all workers, then
@@ -27,7 +28,6 @@ multiprocessing's own.
 from __future__ import annotations
 
 import atexit
-import collections
 import dataclasses
 import itertools
 import os
@@ -42,8 +42,7 @@ from ._iterator_base import BaseIterator
 from ._pin_memory import PinMemoryThread, pass_through_requested
 from ._processes import close_queue, launch_worker, stop_workers
 from ._state import StatefulUnpacker
-from ._pipe_reader import MessageReader
-from ._receive import ResultReceiver, weak_receive
+from ._receive import ResultReceiver
 from ._restart import RestartBudget, WorkerDied, handle_worker_death
 from ._stack_dump import collect_dumps, describe_timeout
 from ._transport import create_channel
@@ -60,27 +59,26 @@ def _shutdown_live_iterators() -> None:
         it._shutdown_workers()
 
 
-class MultiProcessIterator(ResultReceiver, BaseIterator):
+class MultiProcessIterator(BaseIterator):
     def __init__(self, loader) -> None:
         super().__init__(loader)
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
-        self._shutdown = False
         self._workers = []
+        self._workers_status = []  # per worker: False once its iterable has ended
         self._index_queues = []
         self._stack_pipes = []  # per worker: where it dumps its stacks on timeout
         self._pin_thread = None
         self._restarts = RestartBudget(getattr(loader, "max_worker_restarts", 0))
-        self._pending = collections.deque()  # results read while restarting a worker
         self._acks_pending = set()  # workers yet to acknowledge ResumeIteration
         ctx = self._ctx = loader.multiprocessing_context or torch.multiprocessing
         self._result_queue = ctx.Queue()
-        self._result_reader = self._result_queue._reader
-        self._messages = MessageReader(self._result_reader)
         self._channel = create_channel(self._num_workers, ctx, loader)
         self._unpacker = self._channel.unpacker()
         if self._stream.ships_state:
             self._unpacker = StatefulUnpacker(self._unpacker)
+        self._receiver = ResultReceiver(self._result_queue, self._unpacker, self._stats,
+                                        self._workers, self._workers_status)
         spec = WorkerSpec(
             is_iterable=self._is_iterable, dataset=self._dataset,
             auto_collation=self._auto_collation, collate_fn=self._collate_fn,
@@ -105,7 +103,7 @@ class MultiProcessIterator(ResultReceiver, BaseIterator):
 
     def _start_pin_thread(self) -> None:
         index = torch.accelerator.current_device_index() if self._pin_memory else None
-        self._pin_thread = PinMemoryThread(weak_receive(self), self._pin_memory_device,
+        self._pin_thread = PinMemoryThread(self._receiver.receive, self._pin_memory_device,
                                            index, pin=self._pin_memory)
 
     def _start_worker(self, ctx, spec: WorkerSpec, worker_id: int) -> None:
@@ -143,7 +141,7 @@ class MultiProcessIterator(ResultReceiver, BaseIterator):
         self._task_info = {}    # send_idx -> (worker_id, batch_index, indices)
         self._arrived = {}      # send_idx -> batch that came back before its turn
         self._tasks_outstanding = 0
-        self._workers_status = [True] * self._num_workers
+        self._workers_status[:] = [True] * self._num_workers  # the receiver shares the list
         self._workers_num_tasks = [0] * self._num_workers
         first = self._stream.first_worker  # a resumed IterableDataset goes on round-robin
         self._worker_cycle = itertools.cycle([*range(first, self._num_workers), *range(first)])
@@ -245,7 +243,7 @@ class MultiProcessIterator(ResultReceiver, BaseIterator):
 
     def _wait_one_unguarded(self, timeout: float):
         if self._pin_thread is None:
-            return self._receive(timeout)
+            return self._receiver.receive(timeout)
         try:
             kind, item = self._pin_thread.out.get(timeout=timeout)
         except queue.Empty:
@@ -315,10 +313,14 @@ class MultiProcessIterator(ResultReceiver, BaseIterator):
         return self._stream.yielded(data, batch_index, indices, worker_id)
 
     # -- shutdown ---------------------------------------------------------------
+    @property
+    def _shutdown(self) -> bool:
+        return self._receiver.stopped
+
     def _shutdown_workers(self) -> None:
         if self._shutdown:
             return
-        self._shutdown = True
+        self._receiver.stopped = True
         try:
             if self._pin_thread is not None:
                 self._pin_thread.stop()

@@ -70,8 +70,8 @@ class PinMemoryThread:
     def __init__(self, receive, device, device_index: int | None, pin: bool = True):
         self.out = queue.Queue()
         # callable(timeout) -> (ok, (send_idx, batch)).  It must not keep the
-        # iterator alive (see _receive.weak_receive): a running thread is
-        # a GC root, and a dropped iterator must still be collected.
+        # iterator alive, not even for a moment (see _receive.py): a running
+        # thread is a GC root, and a dropped iterator must still be collected.
         self._receive = receive
         self._device = device
         self._device_index = device_index

@@ -1,12 +1,17 @@
 """Receiving in the main process: the next result off the result queue, or the
 death of a worker that owes one, whichever comes first.
 
-``ResultReceiver`` holds the multi-process iterator's receiving methods (it is a
-base class of ``MultiProcessIterator``, whose per-epoch book-keeping it reads:
-which workers are live, what is pending, whether it is shutting down).  The
-main thread calls ``_receive`` itself, or, with pin memory, the pin-memory
-thread does through ``weak_receive``.  Either way the iterator then reorders
-what arrives (``_multiprocess.py``).
+``ResultReceiver`` reads the result queue for ``MultiProcessIterator``.  The
+main thread calls ``receive`` itself or, with pin memory, the pin-memory thread
+does; either way the iterator then reorders what arrives (``_multiprocess.py``).
+
+The receiver holds no reference to the iterator, so the pin thread, which
+holds the receiver, never keeps the iterator alive.  A running thread is a GC
+root: an iterator it referenced, even for the moment of decoding a batch,
+would survive a ``gc.collect()`` that found it unreachable, and so would its
+workers.  What the receiver must know of the iterator (its workers, which of
+them are live) it shares as lists the iterator updates in place; the iterator
+sets ``stopped`` when it shuts down.
 
 NOTE [ Waiting without hanging ]
 The main process never blocks on the result queue alone.  It waits on the
@@ -18,11 +23,11 @@ torch instead polls every 5 seconds and relies on a SIGCHLD handler.
 """
 from __future__ import annotations
 
+import collections
 import pickle
-import weakref
 
 from ._errors import WorkerFailure
-from ._pipe_reader import HalfMessage, Stopped, wait_ready
+from ._pipe_reader import HalfMessage, MessageReader, Stopped, wait_ready
 from ._restart import WorkerDied
 from ._worker import IterableExhausted
 
@@ -30,23 +35,33 @@ DYING_SENDER_WAIT = 1.0  # how long a payload that failed to arrive may wait for
 
 
 class ResultReceiver:
-    """The receiving half of ``MultiProcessIterator``."""
+    """The next result off the result queue, or the death of a worker that owes one."""
 
-    def _watched_sentinels(self):
-        return {w.sentinel: i for i, w in enumerate(self._workers)
-                if self._workers_status[i] and not self._shutdown}
+    def __init__(self, result_queue, unpacker, stats, workers: list, workers_status: list):
+        self.result_queue = result_queue
+        self.messages = MessageReader(result_queue._reader)
+        self.unpacker = unpacker
+        self.stats = stats
+        self.workers = workers                # a restarted worker replaces its own entry
+        self.workers_status = workers_status  # False once a worker's iterable has ended
+        self.pending = collections.deque()    # results read while restarting a worker
+        self.stopped = False                  # the iterator is shutting down
 
-    def _receive(self, timeout: float):
+    def watched_sentinels(self):
+        return {w.sentinel: i for i, w in enumerate(self.workers)
+                if self.workers_status[i] and not self.stopped}
+
+    def receive(self, timeout: float):
         """One (send_idx, batch) from the result queue, or (False, None) on timeout.
 
-        Raises RuntimeError as soon as a worker that owes us results is dead.
+        Raises WorkerDied as soon as a worker that owes us results is dead.
         """
-        if self._pending:
-            return True, self._pending.popleft()
-        sentinels = self._watched_sentinels()
-        if self._messages.has_message():
-            return self._take_ready([self._messages.fd], sentinels)
-        ready = wait_ready([self._messages.fd, *sentinels], timeout)
+        if self.pending:
+            return True, self.pending.popleft()
+        sentinels = self.watched_sentinels()
+        if self.messages.has_message():
+            return self._take_ready([self.messages.fd], sentinels)
+        ready = wait_ready([self.messages.fd, *sentinels], timeout)
         return self._take_ready(ready, sentinels)
 
     def _take_ready(self, ready, sentinels):
@@ -54,10 +69,10 @@ class ResultReceiver:
         main thread decides whether to restart it (``_restart.py``) or raise."""
         if not ready:
             return False, None
-        fd = self._messages.fd
-        if fd in ready or self._messages.started():
+        fd = self.messages.fd
+        if fd in ready or self.messages.started():
             try:
-                item = self._read_result(sentinels, ready=fd in ready)
+                item = self.read_result(sentinels, ready=fd in ready)
             except Stopped:
                 return False, None
             except HalfMessage as exc:
@@ -67,16 +82,16 @@ class ResultReceiver:
             worker_id = sentinels[sentinel]
             # The pin thread took its list of sentinels before it waited; a
             # worker retired meanwhile (its iterable ended) exits on purpose.
-            if self._workers_status[worker_id] and not self._shutdown:
+            if self.workers_status[worker_id] and not self.stopped:
                 raise WorkerDied(worker_id)
         return False, None
 
-    def _read_result(self, sentinels=None, dead: int | None = None, ready: bool = False):
+    def read_result(self, sentinels=None, dead: int | None = None, ready: bool = False):
         """(send_idx, payload) of the next message, which has begun to arrive;
         for an acknowledgement (ResumeIteration), (marker, worker_id).  None for
         a message from worker ``dead`` that cannot be rebuilt."""
-        raw = self._messages.read(sentinels or {}, lambda: self._shutdown, dead, ready)
-        sem = getattr(self._result_queue, "_sem", None)
+        raw = self.messages.read(sentinels or {}, lambda: self.stopped, dead, ready)
+        sem = getattr(self.result_queue, "_sem", None)
         if sem is not None:
             sem.release()  # what Queue.get does: the queue's size bound
         send_idx, worker_id, blob, seconds = pickle.loads(raw)
@@ -90,45 +105,12 @@ class ResultReceiver:
             # (its socket already closed, its exit not yet reaped), cannot.
             if worker_id == dead:
                 return None  # its task will be sent again
-            process = self._workers[worker_id]
+            process = self.workers[worker_id]
             process.join(timeout=DYING_SENDER_WAIT)
             if not process.is_alive():
                 raise WorkerDied(worker_id) from None
             raise
         if not isinstance(payload, (WorkerFailure, IterableExhausted)):
-            payload = self._unpacker.unpack(payload)
-            self._stats.on_result(worker_id, seconds)
+            payload = self.unpacker.unpack(payload)
+            self.stats.on_result(worker_id, seconds)
         return send_idx, payload
-
-
-class _IteratorGone(Exception):
-    pass
-
-
-def weak_receive(iterator):
-    """``iterator._receive`` for the pin thread, without keeping the iterator
-    alive: an iterator dropped mid-epoch (``break``, an exception the caller
-    swallowed) must still be collected, which is what shuts its workers down."""
-    ref = weakref.ref(iterator)
-
-    def alive():
-        it = ref()
-        if it is None:
-            raise _IteratorGone("the iterator was garbage-collected")
-        return it
-
-    def receive(timeout: float):
-        # Hold no reference while blocked: the thread waits almost all the
-        # time, and a reference held then would keep an unreachable
-        # iterator (and its workers) from ever being collected.
-        it = alive()
-        if it._pending:
-            return True, it._pending.popleft()
-        fd, sentinels = it._messages.fd, it._watched_sentinels()
-        if it._messages.has_message():
-            return it._take_ready([fd], sentinels)
-        del it
-        ready = wait_ready([fd, *sentinels], timeout)
-        return alive()._take_ready(ready, sentinels)
-
-    return receive

@@ -110,7 +110,7 @@ def _restart(it, worker_id: int, process) -> None:
     _drain(it, worker_id)
     owed = [(send_idx, task) for send_idx, task in sorted(it._task_info.items())
             if task[0] == worker_id and send_idx not in it._arrived
-            and send_idx not in {item[0] for item in it._pending}]
+            and send_idx not in {item[0] for item in it._receiver.pending}]
     count = it._restarts.record(worker_id, process.pid, process.exitcode)
     new = it._replace_worker(worker_id, owed)
     batches = ", ".join(str(task[1]) for _, task in owed) or "none"
@@ -122,7 +122,7 @@ def _restart(it, worker_id: int, process) -> None:
 
 
 def _drain(it, dead: int) -> None:
-    """Read every whole message in the result pipe into ``it._pending``, so
+    """Read every whole message in the result pipe into ``it._receiver.pending``, so
     that nothing the dead worker wrote is still unread when its tasks are
     re-sent; then make sure the queue's write lock is free.
 
@@ -138,11 +138,11 @@ def _drain(it, dead: int) -> None:
     quiet_since = _now()
     while True:
         try:
-            while it._messages.started():
-                item = it._read_result(dead=dead)
+            while it._receiver.messages.started():
+                item = it._receiver.read_result(dead=dead)
                 quiet_since = _now()
                 if item is not None:
-                    it._pending.append(item)
+                    it._receiver.pending.append(item)
         except HalfMessage:
             raise CannotRestart("it died while writing a result, which leaves half a message "
                                 "in the result queue shared by all workers.") from None

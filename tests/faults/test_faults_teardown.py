@@ -7,6 +7,8 @@ per worker) and leave nothing behind.  ``del`` and ``break`` must work by
 reference counting alone, so they run with the garbage collector disabled.
 """
 import gc
+import os
+import threading
 import time
 
 import psutil
@@ -77,6 +79,62 @@ def test_drop_mid_epoch_with_busy_workers(how, loader_config, no_pin_warning):
     assert len(workers) == 2
     took = _wait_gone(workers, started)
     assert took < SHUTDOWN_WITHIN, f"the workers took {took:.1f} s to go"
+
+
+MAIN_PID = os.getpid()
+decoding = threading.Event()  # set while the main process decodes a slow sample
+
+
+def _rebuild_slowly(i):
+    if os.getpid() == MAIN_PID and i == 4:  # the first sample of the second batch
+        decoding.set()
+        time.sleep(1.0)
+    return i
+
+
+class SlowToDecode:
+    """A leaf that takes a second to unpickle in the main process."""
+
+    def __init__(self, i):
+        self.i = i
+
+    def __reduce__(self):
+        return _rebuild_slowly, (self.i,)
+
+
+class SlowToDecodeDataset(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return {"x": torch.full((4,), i), "slow": SlowToDecode(i)}
+
+
+@pytest.mark.timeout(60)
+def test_collector_stops_workers_while_the_pin_thread_decodes(monkeypatch, no_pin_warning):
+    # The pin thread decodes batches.  Had it held the iterator while doing so,
+    # a gc.collect() at that moment would find the iterator still reachable
+    # from a running thread, and the workers would live on until the next one.
+    monkeypatch.setenv("TORCHFEED_PIN_THREAD_WITHOUT_ACCELERATOR", "1")
+    decoding.clear()
+    existing = frozenset(p.pid for p in psutil.Process().children())
+    loader = DataLoader(SlowToDecodeDataset(), batch_size=4, num_workers=2, pin_memory=True,
+                        collate_fn=lambda samples: samples)
+    gc.disable()
+    try:
+        it = iter(loader)
+        next(it)
+        workers = _workers(existing)
+        assert decoding.wait(10), "the pin thread never started on the second batch"
+        it.cycle = it
+        started = time.time()
+        del it, loader
+        gc.collect()
+    finally:
+        gc.enable()
+    assert len(workers) == 2
+    took = _wait_gone(workers, started)
+    assert took < SHUTDOWN_WITHIN + 1.0, f"the workers took {took:.1f} s to go"
 
 
 class UnevenShards(torch.utils.data.IterableDataset):
