@@ -92,8 +92,8 @@ class MultiProcessIterator(BaseIterator):
         try:
             for worker_id in range(self._num_workers):
                 self._start_worker(ctx, spec, worker_id)
-            # The pin thread calls _receive at once, which reads the per-epoch
-            # book-keeping: start it only once _reset has set that up.
+            # The pin thread calls the receiver at once, which reads the
+            # live-worker flags: start it only once _reset has set them.
             self._reset(loader, first_iter=True)
             if self._pin_memory or (loader.pin_memory and pass_through_requested()):
                 self._start_pin_thread()
