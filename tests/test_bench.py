@@ -100,6 +100,18 @@ def test_bench_runs_each_transport(transport):
     assert result.figures["torch@0"].first_batches == []  # its first batch is not compared
 
 
+@pytest.mark.timeout(60)
+def test_a_loader_that_fails_is_reported_and_the_others_still_run():
+    config = BenchConfig(["small"], num_workers=1, batches=2, repeats=2, transport="bogus",
+                         progress=False, first_batch_runs=2, baseline=False)
+    (result,) = run_comparison(config)
+    ours = result.figures["torchfeed"]
+    assert "bogus" in ours.error
+    assert ours.runs == [] and ours.first_batches == []
+    theirs = result.figures["torch"]
+    assert theirs.error is None and len(theirs.runs) == 2 and len(theirs.first_batches) == 2
+
+
 def test_baseline_is_torch_without_workers_and_can_be_left_out():
     workload = WORKLOADS["small"]
     config = BenchConfig(["small"], num_workers=2)

@@ -165,6 +165,19 @@ def _time(name: str, config: BenchConfig, workload: Workload, dataset, batches: 
     return time_loader(lambda: cls(dataset, **kwargs), batches=batches)
 
 
+def _time_unless_failed(figures: LoaderFigures, name: str, config: BenchConfig,
+                        workload: Workload, dataset, batches: int) -> Timing | None:
+    """``_time``, or None once the loader has failed: its first error is kept for
+    the table (the other rows go on), and failing again says nothing new."""
+    if figures.error is not None:
+        return None
+    try:
+        return _time(name, config, workload, dataset, batches)
+    except Exception as exc:
+        figures.error = describe_error(exc)
+        return None
+
+
 def _run_workload(workload: Workload, config: BenchConfig, bar: Progress) -> WorkloadResult:
     batches = config.batches_for(workload)
     # Room for the first batch, the timed ones and everything still in flight
@@ -188,24 +201,14 @@ def _run_workload(workload: Workload, config: BenchConfig, bar: Progress) -> Wor
         order = loaders[shift:] + loaders[:shift]
         for name in order:
             bar.step(f"{workload.name} {name} run {repeat + 1}/{config.repeats}")
-            if figures[name].error is not None:
-                continue  # it failed once; failing again says nothing new
-            try:
-                timing = _time(name, config, workload, dataset, batches)
-            except Exception as exc:  # reported in the table, the other rows go on
-                figures[name].error = describe_error(exc)
-                continue
-            figures[name].runs.append(timing)
+            timing = _time_unless_failed(figures[name], name, config, workload, dataset, batches)
+            if timing is not None:
+                figures[name].runs.append(timing)
     for run in range(config.first_batch_runs):
         order = LOADERS if run % 2 == 0 else LOADERS[::-1]
         for name in order:
             bar.step(f"{workload.name} {name} first batch {run + 1}/{config.first_batch_runs}")
-            if figures[name].error is not None:
-                continue
-            try:
-                timing = _time(name, config, workload, dataset, 0)
-            except Exception as exc:
-                figures[name].error = describe_error(exc)
-                continue
-            figures[name].first_batches.append(timing.first_batch_s)
+            timing = _time_unless_failed(figures[name], name, config, workload, dataset, 0)
+            if timing is not None:
+                figures[name].first_batches.append(timing.first_batch_s)
     return WorkloadResult(workload, batches, figures)
