@@ -88,15 +88,20 @@ def in_slot(ptr, ranges):
     return any(lo <= ptr < hi for lo, hi in ranges)
 
 
-def tensor_leaves(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
+def leaves(x):
+    """Everything in ``x`` that is not a dict, list or tuple (namedtuples included)."""
+    if isinstance(x, dict):
         for v in x.values():
-            yield from tensor_leaves(v)
+            yield from leaves(v)
     elif isinstance(x, (list, tuple)):
         for v in x:
-            yield from tensor_leaves(v)
+            yield from leaves(v)
+    else:
+        yield x
+
+
+def tensor_leaves(x):
+    return (v for v in leaves(x) if isinstance(v, torch.Tensor))
 
 
 # -- round trips ------------------------------------------------------------------
@@ -466,16 +471,6 @@ def test_one_small_message_per_batch_with_no_tensor_inside():
     image = {"image": torch.zeros(64, 3, 224, 224, dtype=torch.uint8),
              "label": torch.arange(64), "path": [f"img_{i}.jpg" for i in range(4)]}
     many = {f"t{i}": torch.full((64, 8), float(i)) for i in range(32)}
-
-    def leaves(obj):
-        if isinstance(obj, (tuple, list)):
-            for item in obj:
-                yield from leaves(item)
-        elif isinstance(obj, dict):
-            for item in obj.values():
-                yield from leaves(item)
-        else:
-            yield obj
 
     for batch, bound in ((image, 1024), (many, 4096)):
         message = packer.pack(batch)
