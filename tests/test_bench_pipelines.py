@@ -204,3 +204,46 @@ def test_peer_table_shows_each_peer_and_torchfeeds_ratio_to_it():
     assert format_peer_table([WorkloadResult(WORKLOADS["text"], 10, {
         "torch": figures["torch"], "torchfeed": figures["torchfeed"]})]) == ""
     assert math.isclose(result.ratio("batches_per_s", "torchfeed", "torchdata"), 2.0)
+
+
+def test_cache_dir_is_the_users_cache_unless_told(monkeypatch, tmp_path):
+    from torchfeed.bench.pipelines import cache_dir
+
+    monkeypatch.delenv("TORCHFEED_BENCH_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "torchfeed" / "bench"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "torchfeed" / "bench"
+    monkeypatch.setenv("TORCHFEED_BENCH_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+class _ThreadProbe(torch.utils.data.Dataset):
+    """Records torch's intra-op thread count where the samples are fetched."""
+
+    seen: list = []
+
+    def __init__(self, length):
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        _ThreadProbe.seen.append(torch.get_num_threads())
+        return torch.zeros(2)
+
+
+@pytest.mark.timeout(60)
+def test_torch_threads_apply_to_the_run_and_are_restored(monkeypatch):
+    probe = dataclasses.replace(WORKLOADS["small"], name="probe", make=_ThreadProbe)
+    monkeypatch.setitem(WORKLOADS, "probe", probe)
+    before = torch.get_num_threads()
+    _ThreadProbe.seen.clear()
+    config = BenchConfig(["probe"], num_workers=0, batches=2, repeats=1, first_batch_runs=0,
+                         progress=False, torch_threads=before + 1)  # differs from the default
+    (result,) = run_comparison(config)
+    assert all(f.error is None for f in result.figures.values())
+    assert _ThreadProbe.seen and set(_ThreadProbe.seen) == {before + 1}
+    assert torch.get_num_threads() == before

@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--transport", choices=["torch", "shm"], default=None,
                         help="passed to torchfeed.DataLoader as transport=...; "
                              "left out when not given, so torchfeed uses its default")
+    parser.add_argument("--torch-threads", type=_positive, default=None,
+                        help="torch.set_num_threads() in this process for the run; with "
+                             "num_workers=0 the collate runs here, and on a busy machine "
+                             "torch's intra-op threads make torch@0 crawl (default: torch's "
+                             "own choice)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write machine-readable results to PATH")
     parser.add_argument("--no-baseline", action="store_true",
@@ -110,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         quick=args.quick,
         baseline=not args.no_baseline,
         peers=args.peers,
+        torch_threads=args.torch_threads,
         first_batch_runs=(args.first_batch_runs if args.first_batch_runs is not None
                           else (0 if args.quick else 6)),
     )

@@ -15,6 +15,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
+
 from .._progress import Progress
 from .loaders import (BASELINE, LOADERS, PEERS, TORCH, TORCHFEED, build_loader,
                       loader_class, peer_note)
@@ -113,6 +115,10 @@ class BenchConfig:
     baseline: bool = True  # also time torch at num_workers=0 (when num_workers > 0)
     first_batch_runs: int = 6  # more runs of each compared loader that stop at the first batch
     peers: Sequence[str] = ()  # peer columns to add where installed (names in PEERS)
+    # torch.set_num_threads() for the run: with num_workers=0 the collate runs in
+    # this process, and on a busy machine torch's spinning intra-op threads slowed
+    # torch@0's image batches over 20-fold (None: torch's own choice).
+    torch_threads: int | None = None
 
     def compared(self) -> tuple[str, ...]:
         """torch, torchfeed and the peers that can run here: the loaders compared
@@ -168,9 +174,15 @@ def run_comparison(config: BenchConfig) -> list[WorkloadResult]:
     workloads = config.workloads_to_run()
     steps = len(workloads) * ((config.repeats + 1) * len(config.loaders())
                               + config.first_batch_runs * len(config.compared()))
-    with Progress(steps, "torchfeed.bench", enabled=config.progress) as bar:
-        for name in workloads:
-            results.append(_run_workload(WORKLOADS[name], config, bar))
+    threads = torch.get_num_threads()
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
+    try:
+        with Progress(steps, "torchfeed.bench", enabled=config.progress) as bar:
+            for name in workloads:
+                results.append(_run_workload(WORKLOADS[name], config, bar))
+    finally:
+        torch.set_num_threads(threads)
     return results
 
 

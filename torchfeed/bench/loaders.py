@@ -58,13 +58,18 @@ class Peer:
     build: Callable[..., Iterable]
     # Where it cannot take num_workers=0 (it would start a worker anyway).
     needs_workers: bool = False
+    # What the report should say whenever its column ran.
+    caveat: str | None = None
 
 
 PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer(TORCHDATA, "torchdata's StatefulDataLoader", "torchdata.stateful_dataloader",
          "torchdata", _torchdata),
     Peer(SPDL, "SPDL's get_pytorch_dataloader(in_order=True)", "spdl.dataloader", "spdl",
-         _spdl, needs_workers=True),
+         _spdl, needs_workers=True,
+         caveat="spdl copies the pickled dataset into a /dev/shm segment per loader and "
+                "does not unlink it; Python's resource_tracker removes them when the bench "
+                "exits, with a 'leaked shared_memory objects' warning"),
 ]}
 
 

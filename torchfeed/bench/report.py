@@ -179,6 +179,8 @@ def format_peer_table(results: Sequence[WorkloadResult]) -> str:
 def format_report(results: Sequence[WorkloadResult], config: BenchConfig,
                   info: dict[str, Any], command: str, end_load: float | None) -> str:
     transport = f", transport={config.transport!r}" if config.transport else ""
+    if config.torch_threads is not None:
+        transport += f", torch.set_num_threads({config.torch_threads})"
     peers = peers_in(results)
     peer_text = "".join(f", {PEERS[p].title}" for p in peers)
     lines = [
@@ -215,6 +217,7 @@ def format_report(results: Sequence[WorkloadResult], config: BenchConfig,
                          f"num_workers={config.num_workers} over it (above 1.00x: the workers "
                          "pay off).")
     lines += [f"note: {note}" for note in config.notes()]
+    lines += [f"note: {PEERS[p].caveat}" for p in peers if PEERS[p].caveat]
     for result in results:
         for name, figures in result.figures.items():
             if figures.error:
@@ -238,6 +241,7 @@ def to_json(results: Sequence[WorkloadResult], config: BenchConfig,
             "repeats": config.repeats,
             "first_batch_runs": config.first_batch_runs,
             "transport": config.transport,
+            "torch_threads": config.torch_threads,
             "peers": [p for p in config.peers if p in config.compared()],
             "skipped": config.notes(),
             "baseline": BASELINE if BASELINE in config.loaders() else None,
