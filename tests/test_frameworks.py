@@ -220,3 +220,68 @@ def test_ray_train_keeps_torchfeed_and_resumes_exactly_after_a_failure(tmp_path)
         assert trained == expected
         assert second["engine"][3] == len(expected) - resumed_from - 1  # stats of this attempt
     assert sorted(union) == list(range(64))
+
+
+# -- the Hugging Face Trainer -----------------------------------------------------------
+class Pairs(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return {"x": torch.tensor([float(i)]), "labels": torch.tensor([2.0 * i])}
+
+
+class Tiny(torch.nn.Module):
+    """A one-weight regression that records the sample ids it trained on."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(1, 1)
+        self.seen = []
+
+    def forward(self, x, labels):
+        self.seen.append([int(v) for v in x.flatten().tolist()])
+        return {"loss": torch.nn.functional.mse_loss(self.linear(x), labels)}
+
+
+def _trainers():
+    """The stock Trainer, and the README's subclass as written there."""
+    import re
+
+    import transformers
+
+    readme = (HERE.parent / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+              if b.startswith("class TorchfeedTrainer(")]
+    assert len(blocks) == 1
+    namespace = {"transformers": transformers, "torchfeed": torchfeed}
+    exec(blocks[0], namespace)
+    return transformers.Trainer, namespace["TorchfeedTrainer"]
+
+
+def _train(trainer_class, out, resume_from=None):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=6,
+                             save_strategy="steps", save_steps=3, logging_strategy="no",
+                             report_to="none", use_cpu=True, dataloader_num_workers=1, seed=11,
+                             disable_tqdm=True)
+    model = Tiny()
+    trainer = trainer_class(model=model, args=args, train_dataset=Pairs())
+    trainer.train(resume_from_checkpoint=resume_from)
+    return model.seen, trainer
+
+
+@pytest.mark.timeout(120)
+def test_trainer_with_torchfeed_trains_on_the_stock_batches_and_resumes(tmp_path, new_accelerator):
+    stock_class, torchfeed_class = _trainers()
+    stock, _ = _train(stock_class, tmp_path / "stock")
+    seen, trainer = _train(torchfeed_class, tmp_path / "ours")
+    assert seen == stock and len(seen) == 6  # 16 samples: one epoch and a half
+    assert sorted(i for batch in seen[:4] for i in batch) == list(range(16))
+    engine = trainer.callback_handler.train_dataloader.base_dataloader
+    assert type(engine) is torchfeed.DataLoader
+    assert engine.stats()["batches_yielded"] >= 2  # the second epoch's (Accelerate reads ahead)
+    # from the checkpoint at step 3, inside the first epoch
+    resumed, _ = _train(torchfeed_class, tmp_path / "ours", tmp_path / "ours" / "checkpoint-3")
+    assert resumed == seen[3:]
