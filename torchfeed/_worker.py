@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import faulthandler
+import gc
 import io
 import os
 import pickle
@@ -174,8 +175,18 @@ def _unsendable(exc: Exception, detail: str, worker_id: int, task: Task | None):
                          task.batch_index if task else None)
 
 
+def settle_heap(enable_gc: bool) -> None:
+    """Put everything this process inherited out of the collector's reach
+    (NOTE [ The collector and fork ] in ``_processes.py``); ``enable_gc``: the
+    parent paused the collector for the fork and it was on before."""
+    gc.freeze()
+    if enable_gc:
+        gc.enable()
+
+
 def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, channel,
-                stack_pipe=None) -> None:
+                stack_pipe=None, enable_gc: bool = False) -> None:
+    settle_heap(enable_gc)  # first: before anything here can trigger a collection
     # Ctrl-C reaches the whole process group; the main process decides when
     # workers stop, so a worker must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
