@@ -4,6 +4,10 @@ shuffled datasets, and workers' private memory."""
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -108,3 +112,44 @@ def test_parents_collector_settings_are_kept_and_inherited():
         assert not gc.isenabled() and gc.get_freeze_count() == frozen
     finally:
         gc.enable()
+
+
+# -- worker start under forkserver -------------------------------------------------
+_FORKSERVER_SCRIPT = """
+import json, multiprocessing, sys
+sys.path.insert(0, {tests!r})
+import torchfeed
+from scale_datasets import ImportProbe
+
+if __name__ == "__main__":
+    multiprocessing.set_forkserver_preload(["__main__", "json"])  # the user's own list
+    ctx = multiprocessing.get_context("forkserver")
+    loader = torchfeed.DataLoader(ImportProbe(), batch_size=None, num_workers=2,
+                                  multiprocessing_context=ctx)
+    epochs = [list(loader) for _ in range(2)]
+    print(json.dumps({{"epochs": epochs, "same_context": loader.multiprocessing_context is ctx,
+                      "preload": multiprocessing.forkserver._forkserver._preload_modules}}))
+"""
+
+
+@pytest.mark.timeout(90)
+def test_forkserver_workers_start_with_torch_and_the_dataset_module_preloaded():
+    # A fresh interpreter: the fork server is one per process, and an earlier
+    # test may have started it already.
+    tests = os.path.dirname(os.path.abspath(__file__))
+    # The dataset's module is on PYTHONPATH, where a fresh interpreter (the
+    # server) finds it too, as an installed package would be.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [tests, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+    proc = subprocess.run([sys.executable, "-c", _FORKSERVER_SCRIPT.format(tests=tests)],
+                          capture_output=True, text=True, timeout=80, env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for epoch in out["epochs"]:
+        for sample in epoch:
+            # The worker was forked from a server that had already imported
+            # torch and the dataset's module, instead of importing them itself.
+            assert sample["imported_in"] == sample["ppid"] != sample["pid"], sample
+            assert sample["parent_has_torch"], sample
+    assert out["same_context"]
+    assert out["preload"] == ["__main__", "json"], "the user's preload list is put back"

@@ -24,11 +24,30 @@ Freezing is O(1) (a list splice), and the parent's own objects and frozen set
 are left as they are.  Objects the worker creates itself are collected as
 usual.  Under forkserver the worker is forked from the server, whose heap
 (torch, preloaded modules) is shared the same way, so it freezes too.
+
+NOTE [ Forkserver preload ]
+Under forkserver each worker is forked from one server process, which by
+default has imported only ``__main__``: every worker then imports torch again
+(about a second), at every epoch without persistent workers.  When the first
+worker is about to start the server, torch, torchfeed and the module that
+defines the dataset join the server's preload list (after whatever the user
+put there), so workers are forked with them already imported.  The server is
+one per process whatever context object the user passed (the string or the
+object: the context's meaning is unchanged); its list is put back once it
+runs, and a server already running is left as it is.  The dataset's module is
+added only where the server would import that same file (``_server_finds``);
+``__main__`` is the server's own default where it has a file (an interactive
+``__main__`` has none: nothing to preload, today's behaviour).
 """
 from __future__ import annotations
 
 import gc
+import importlib.machinery
+import multiprocessing.forkserver
+import os
 import pickle
+import site
+import sys
 import threading
 import time
 
@@ -64,11 +83,14 @@ def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
                                   daemon=True)
             if method == "fork":
                 gc.disable()
+            preloaded = _preload_forkserver(spec.dataset) if method == "forkserver" else None
             try:
                 process.start()
             finally:
                 if gc_enabled:
                     gc.enable()
+                if preloaded is not None:
+                    _forkserver().set_forkserver_preload(preloaded)
     except (TypeError, AttributeError, pickle.PicklingError) as exc:
         index_queue.close()
         stack_pipe.close()
@@ -89,6 +111,66 @@ def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
         raise
     stack_pipe.started()
     return index_queue, stack_pipe, process
+
+
+def _forkserver():
+    return multiprocessing.forkserver._forkserver
+
+
+def _preload_forkserver(dataset):
+    """Add torch, torchfeed and the dataset's module to the preload list of a
+    fork server about to start (NOTE [ Forkserver preload ]); the user's list, to
+    put back once it runs, or None where there is nothing to do."""
+    server = _forkserver()
+    if getattr(server, "_forkserver_pid", 0) is not None:
+        return None  # running already, or a Python whose server we do not know
+    user_list = list(getattr(server, "_preload_modules", None) or [])
+    ours = ["torch", "torchfeed"] + _defining_modules(dataset)
+    server.set_forkserver_preload(user_list + [m for m in ours if m not in user_list])
+    return user_list
+
+
+def _defining_modules(dataset) -> list[str]:
+    """The module that defines the dataset's class (and, for a wrapper such as
+    torch's Subset, the wrapped dataset's), where the server would import
+    that very file."""
+    found = []
+    for obj in (dataset, getattr(dataset, "dataset", None)):
+        name = getattr(type(obj), "__module__", None) if obj is not None else None
+        if (isinstance(name, str) and name not in found and name != "__main__"
+                and not name.startswith(("torch.", "torchfeed.")) and _server_finds(name)):
+            found.append(name)
+    return found
+
+
+def _server_finds(name: str) -> bool:
+    """Whether a fork server would import the same file for module ``name``.
+
+    The server is a fresh interpreter: its path is the working directory,
+    PYTHONPATH and the installation's own folders, not what this process added
+    to ``sys.path`` at run time (Python 3.11 ignores the path it is sent).  A
+    module found only through such an addition would fail to import there, and
+    one whose name another file on the server's path shadows (a local
+    ``datasets.py`` and the ``datasets`` package) would be the wrong module in
+    every worker: neither is preloaded."""
+    top = sys.modules.get(name.partition(".")[0])
+    origin = getattr(getattr(top, "__spec__", None), "origin", None)
+    if not origin or not os.path.isfile(origin):
+        return False  # built at run time, a namespace package, or a frozen module
+    folder = os.path.dirname(origin)
+    if getattr(top.__spec__, "submodule_search_locations", None) is not None:
+        folder = os.path.dirname(folder)  # a package: its parent folder is on the path
+    pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    roots = [os.getcwd(), *pythonpath]
+    try:
+        roots += [*site.getsitepackages(), site.getusersitepackages()]
+    except AttributeError:  # an old virtualenv's site module
+        pass
+    real = os.path.realpath
+    if real(folder) not in {real(r) for r in roots}:
+        return False
+    spec = importlib.machinery.PathFinder.find_spec(top.__name__, [os.getcwd(), *pythonpath, *sys.path])
+    return spec is not None and spec.origin is not None and real(spec.origin) == real(origin)
 
 
 def stop_workers(workers, index_queues) -> None:
