@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.utils.data
 
+import scale_datasets
 import torchfeed
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -153,3 +155,47 @@ def test_forkserver_workers_start_with_torch_and_the_dataset_module_preloaded():
             assert sample["parent_has_torch"], sample
     assert out["same_context"]
     assert out["preload"] == ["__main__", "json"], "the user's preload list is put back"
+
+
+# -- worker start under spawn -------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_spawn_stats_show_worker_start_and_suggest_persistent_workers(caplog):
+    # Each spawned worker imports torch afresh: starting dominates a tiny epoch.
+    loader = torchfeed.DataLoader(scale_datasets.ImportProbe(), batch_size=1, num_workers=1,
+                                  multiprocessing_context="spawn", log_every=2)
+    with caplog.at_level(logging.INFO, logger="torchfeed"):
+        list(loader)
+    s = loader.stats()
+    assert s["worker_start_seconds"] > 0 and s["workers"][0]["start_seconds"] > 0
+    assert s["worker_start_fraction"] >= 0.5, s
+    assert "starting workers took" in str(s) and "persistent_workers=True" in str(s)
+    assert any("starting workers took" in r.getMessage() and "persistent_workers=True"
+               in r.getMessage() for r in caplog.records), caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_persistent_workers_start_only_in_the_first_epoch():
+    loader = torchfeed.DataLoader(scale_datasets.ImportProbe(), batch_size=1, num_workers=2,
+                                  persistent_workers=True, multiprocessing_context="fork")
+    list(loader)
+    first = loader.stats()
+    assert first["worker_start_seconds"] > 0
+    assert all(w["start_seconds"] > 0 for w in first["workers"])
+    list(loader)
+    second = loader.stats()
+    assert second["worker_start_seconds"] is None
+    assert all(w["start_seconds"] is None for w in second["workers"])
+    assert "starting workers" not in str(second)
+
+
+@pytest.mark.timeout(120)
+def test_tune_says_when_starting_workers_dominates(capfd):
+    loader = torchfeed.DataLoader(scale_datasets.ImportProbe(), batch_size=1, num_workers=1,
+                                  multiprocessing_context="spawn")
+    result = torchfeed.tune(loader, seconds=0.5, max_workers=1, prefetch_factors=(2,),
+                            progress=False)
+    assert result.rows[0].error is None  # num_workers=0 drops the start method torch rejects there
+    row = [r for r in result.rows if r.num_workers == 1][0]
+    assert row.worker_start_s > 0 and row.worker_start_fraction >= 0.5, row
+    assert any("persistent_workers=True" in n for n in result.notes), result.notes
+    assert "persistent_workers=True" in capfd.readouterr().out

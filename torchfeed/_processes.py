@@ -50,6 +50,7 @@ import site
 import sys
 import threading
 import time
+import weakref
 
 from ._index_queue import IndexQueue
 from ._pickling import describe_unpicklable
@@ -57,6 +58,9 @@ from ._stack_dump import StackPipe
 from ._worker import WorkerSpec, worker_loop
 
 SHUTDOWN_GRACE = 1.0  # seconds all workers share to exit before termination
+
+# When each worker process was launched (time.monotonic()), for stats().
+_launched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # One start at a time pauses the collector, so two threads starting workers
 # cannot disagree about whether it was on (NOTE [ The collector and fork ]).
@@ -76,10 +80,12 @@ def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
             # A forked child inherits the pause and ends it once it has frozen
             # what it inherited; other methods start with the collector on.
             gc_enabled = gc.isenabled()
+            launched_at = time.monotonic()
             process = ctx.Process(target=worker_loop, name=f"torchfeed-worker-{worker_id}",
                                   args=(spec, worker_id, index_queue.queue, result_queue, channel),
                                   kwargs={"stack_pipe": stack_pipe.writer,
-                                          "enable_gc": gc_enabled and method == "fork"},
+                                          "enable_gc": gc_enabled and method == "fork",
+                                          "launched_at": launched_at},
                                   daemon=True)
             if method == "fork":
                 gc.disable()
@@ -110,7 +116,16 @@ def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
         stack_pipe.close()
         raise
     stack_pipe.started()
+    _launched[process] = launched_at
     return index_queue, stack_pipe, process
+
+
+def launched_at(process) -> float | None:
+    """When ``launch_worker`` started ``process`` (``time.monotonic()``)."""
+    try:
+        return _launched.get(process)
+    except TypeError:
+        return None
 
 
 def _forkserver():
