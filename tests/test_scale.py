@@ -4,11 +4,13 @@ shuffled datasets, and workers' private memory."""
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import os
 import subprocess
 import sys
+import tracemalloc
 
 import psutil
 import pytest
@@ -199,3 +201,126 @@ def test_tune_says_when_starting_workers_dominates(capfd):
     assert row.worker_start_s > 0 and row.worker_start_fraction >= 0.5, row
     assert any("persistent_workers=True" in n for n in result.notes), result.notes
     assert "persistent_workers=True" in capfd.readouterr().out
+
+
+# -- shuffling 10**8 samples -----------------------------------------------------------
+class Indices(torch.utils.data.Dataset):
+    """Sample i is i: the loader's output is its sampler's order."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+def _order(loader_cls, n, seed=None, epochs=2, **kwargs):
+    """Every index of ``epochs`` epochs, then one more draw from the RNG the sampler used."""
+    if seed is None:
+        torch.manual_seed(1234)  # the global RNG seeds RandomSampler
+        generator = None
+    else:
+        generator = torch.Generator().manual_seed(seed)
+    loader = loader_cls(Indices(n), shuffle=True, generator=generator, **kwargs)
+    out = [torch.cat([torch.as_tensor(b).reshape(-1) for b in loader]) for _ in range(epochs)]
+    after = torch.randint(1 << 30, (1,), generator=generator).item()
+    return out, after
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """The order is handed out 1000 indices at a time, so small datasets cross chunks."""
+    import torchfeed._chunked_sampler
+
+    monkeypatch.setattr(torchfeed._chunked_sampler, "CHUNK", 1000)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", [None, 7])
+@pytest.mark.parametrize("kwargs", [dict(batch_size=100), dict(batch_size=99, drop_last=True),
+                                    dict(batch_size=None)])
+def test_shuffled_order_is_torchs(seed, kwargs, small_chunks):
+    n = 5_001  # past five chunks
+    theirs, their_next = _order(torch.utils.data.DataLoader, n, seed, **kwargs)
+    ours, our_next = _order(torchfeed.DataLoader, n, seed, **kwargs)
+    for a, b in zip(theirs, ours, strict=True):
+        assert torch.equal(a, b)
+    assert their_next == our_next, "the generators are left as torch's iterator leaves them"
+
+
+@pytest.mark.timeout(60)
+def test_random_sampler_with_more_samples_than_the_dataset_is_torchs(small_chunks):
+    def order(loader_cls):
+        sampler = torch.utils.data.RandomSampler(
+            Indices(7_000), num_samples=15_000, generator=torch.Generator().manual_seed(3))
+        return torch.cat([b for b in loader_cls(Indices(7_000), batch_size=500, sampler=sampler)])
+
+    assert torch.equal(order(torch.utils.data.DataLoader), order(torchfeed.DataLoader))
+
+
+def _python_peak_bytes(make_iterator):
+    """Peak bytes of Python objects allocated while making an iterator and
+    taking its first item (a tensor's storage is not a Python object)."""
+    tracemalloc.start()
+    try:
+        it = make_iterator()
+        next(it)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.timeout(60)
+def test_shuffling_a_huge_dataset_holds_no_list_of_every_index():
+    n = 1 << 22  # torch's RandomSampler makes a list of 4M ints here: ~150 MB
+    loader = torchfeed.DataLoader(Indices(n), batch_size=4, shuffle=True)
+    peak = _python_peak_bytes(lambda: iter(loader))
+    assert peak < 16 * 2**20, f"{peak / 2**20:.0f} MiB of Python objects for the first batch"
+
+
+@pytest.mark.timeout(60)
+def test_distributed_sampler_holds_no_list_of_its_indices():
+    n = 1 << 22
+    sampler = torchfeed.DistributedSampler(Indices(n), num_replicas=2, rank=1, seed=5)
+    peak = _python_peak_bytes(lambda: iter(sampler))
+    assert peak < 16 * 2**20, f"{peak / 2**20:.0f} MiB of Python objects for the first index"
+    theirs = torch.utils.data.distributed.DistributedSampler(Indices(n), num_replicas=2, rank=1,
+                                                            seed=5)
+    assert list(itertools.islice(iter(sampler), 100_000)) == list(
+        itertools.islice(iter(theirs), 100_000))
+
+
+class ReversedRandom(torch.utils.data.RandomSampler):
+    """A subclass with its own order: it must be the one used."""
+
+    def __iter__(self):
+        return iter(range(len(self.data_source) - 1, -1, -1))
+
+
+@pytest.mark.timeout(60)
+def test_a_random_sampler_subclass_keeps_its_own_iter():
+    sampler = ReversedRandom(Indices(10))
+    assert [int(b) for b in torchfeed.DataLoader(Indices(10), batch_size=None,
+                                                  sampler=sampler)] == list(range(9, -1, -1))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_of_a_huge_shuffle_is_exact(num_workers, small_chunks):
+    def loader():
+        return torchfeed.DataLoader(Indices(10_001), batch_size=100, shuffle=True,
+                                    num_workers=num_workers,
+                                    generator=torch.Generator().manual_seed(11))
+
+    whole = torch.cat(list(loader()))
+    first = loader()
+    it = iter(first)
+    head = [next(it) for _ in range(25)]  # past two chunks
+    state = first.state_dict()
+    second = loader()
+    second.load_state_dict(state)
+    rest = list(second)
+    assert torch.equal(torch.cat(head + rest), whole)

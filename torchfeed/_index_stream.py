@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import BatchSampler, IterableDataset
 
+from ._chunked_sampler import iterate
 from ._rng import draw_base_seed, drawing_from, encode_rng, replaying
 
 NO_STATE = object()  # a batch that came without a dataset state
@@ -173,7 +174,7 @@ class IndexStream:
             return
         with drawing_from(plan.global_rng):  # also what _capture records as the start
             self._capture()
-            self._sampler_iter = iter(self.index_sampler)
+            self._sampler_iter = iterate(self.index_sampler)
             if fresh:
                 if plan.base_seed is not None:  # persistent workers: one base seed for all
                     self.base_seed, self.draws_base_seed = plan.base_seed, False
@@ -231,7 +232,7 @@ class IndexStream:
                 self.sampler_start_state = sampler_state["state"]
                 if sampler_state["protocol"] == "epoch_start":
                     self.sampler.load_state_dict(sampler_state["state"])
-            self._sampler_iter = iter(self.index_sampler)
+            self._sampler_iter = iterate(self.index_sampler)
             if self.draws_base_seed and fresh:
                 draw_base_seed(self.generator)  # keeps the generator in step
             if self.is_iterable:
@@ -279,7 +280,7 @@ class IndexStream:
         with replaying(self.generator, self.generators, state["epoch_start_rng"]):
             if sampler_state is not None and sampler_state["protocol"] == "epoch_start":
                 self.sampler.load_state_dict(sampler_state["state"])
-            it = iter(self.index_sampler)
+            it = iterate(self.index_sampler)
             if state["draws_base_seed"]:
                 draw_base_seed(self.generator)
             if not self.is_iterable and not (
