@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tracemalloc
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -324,3 +325,63 @@ def test_resume_of_a_huge_shuffle_is_exact(num_workers, small_chunks):
     second.load_state_dict(state)
     rest = list(second)
     assert torch.equal(torch.cat(head + rest), whole)
+
+
+# -- copy-on-read -------------------------------------------------------------------------
+class Records(torch.utils.data.Dataset):
+    """Reads every record the parent built, as a dataset that scans its index would."""
+
+    def __init__(self, records):
+        self.records = records
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, i):
+        if isinstance(self.records, np.ndarray):
+            return int(self.records.sum())
+        return sum(r["id"] for r in self.records)
+
+
+@pytest.mark.timeout(90)
+def test_worker_memory_growth_from_python_objects_is_reported_and_warned_once(
+        monkeypatch, caplog):
+    import torchfeed._stats as stats_module
+
+    monkeypatch.setattr(stats_module, "USS_GROWTH_WARN", 16 * 2**20)
+    monkeypatch.setattr(stats_module, "MEMORY_CHECK_EVERY", 0.0)  # check at every batch
+    monkeypatch.setattr(stats_module, "_memory_warned", False)
+    records = _parent_heap(200_000)  # ~60 MiB of dicts and lists
+    loader = torchfeed.DataLoader(Records(records), batch_size=None, num_workers=1,
+                                  multiprocessing_context="fork")
+    with caplog.at_level(logging.WARNING, logger="torchfeed"):
+        it = iter(loader)
+        next(it)
+        next(it)
+        s = loader.stats()
+        list(it)
+        list(loader)  # a second epoch, new workers: still one warning
+    worker = s["workers"][0]
+    # Reading a Python object writes its reference count: the worker copies the pages.
+    assert worker["uss_growth_bytes"] > 20 * 2**20, worker
+    assert worker["uss_bytes"] >= worker["uss_growth_bytes"]
+    assert "since start" in str(s)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "torchfeed"]
+    assert len(warnings) == 1, warnings
+    assert "copy-on-read" in warnings[0] and "numpy arrays" in warnings[0]
+
+    # The fix the warning names: the same values in one numpy array stay shared.
+    caplog.clear()
+    array = np.array([r["id"] for r in records])
+    del records
+    monkeypatch.setattr(stats_module, "_memory_warned", False)
+    loader = torchfeed.DataLoader(Records(array), batch_size=None, num_workers=1,
+                                  multiprocessing_context="fork")
+    with caplog.at_level(logging.WARNING, logger="torchfeed"):
+        it = iter(loader)
+        next(it)
+        next(it)
+        s = loader.stats()
+        list(it)
+    assert s["workers"][0]["uss_growth_bytes"] < 8 * 2**20, s["workers"][0]
+    assert not [r for r in caplog.records if r.name == "torchfeed"]
