@@ -50,6 +50,7 @@ import site
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 from ._index_queue import IndexQueue
@@ -65,6 +66,13 @@ _launched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # One start at a time pauses the collector, so two threads starting workers
 # cannot disagree about whether it was on (NOTE [ The collector and fork ]).
 _gc_pause_lock = threading.Lock()
+
+_TORCH_PICKLE_WARNING = (  # torch's, word for word
+    "Got pickle error when attempting to start a worker Process. "
+    "This might be because the worker Process arguments are not picklable. "
+    "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
+    "to 'forkserver', which requires the worker Process arguments to be picklable. "
+    "You can also try multiprocessing.set_start_method('fork').")
 
 
 def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
@@ -106,7 +114,11 @@ def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
                     for name, value in parts.items()
                     if value is not None and _unpicklable(value)]
         detail = "; ".join(culprits) or str(exc)
+        # torch warns, then re-raises pickle's own error: keep both, with
+        # pickle's sentence as the first line and what to do after it.
+        warnings.warn(_TORCH_PICKLE_WARNING, stacklevel=5)
         raise type(exc)(
+            f"{exc}\n"
             f"DataLoader could not start worker {worker_id} with the '{method}' start "
             f"method, which pickles the dataset, collate_fn and worker_init_fn: {detail}. "
             "Define them at module level (no lambdas or local functions), or use "
