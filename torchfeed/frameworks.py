@@ -74,6 +74,8 @@ def prepare(framework_prepare, loader, *args, **kwargs):
     holder, slot, inner = _engine_slot(prepared)
     if inner is loader or isinstance(inner, DataLoader):
         engine = inner  # the framework kept the loader (it was already per-rank)
+        if slot == "_dataloader":  # but its wrapper still reads one batch ahead (Ray's)
+            setattr(holder, slot, _Lookahead(engine))
     elif isinstance(inner, torch.utils.data.DataLoader):  # torch's, or torchdata's Stateful one
         if type(inner) is not torch.utils.data.DataLoader:
             _warn_once("stateful", (
