@@ -31,6 +31,7 @@ import itertools
 import torch
 from torch.utils.data import IterableDataset
 
+from ._datapipes import SharedSeed, is_iter_datapipe
 from ._rng import draw_base_seed, drawing_from, encode_rng, replaying
 from ._sampler_state import (epoch_state, sampler_generators, saved_sampler_epoch,
                              stateful_sampler)
@@ -92,6 +93,10 @@ class IndexStream:
         self.generators = sampler_generators(self.index_sampler, loader.generator)
         self.book = ResumeBook.of(loader)
         self.base_seed = None
+        # An IterDataPipe's shared seed (``_datapipes.py``): drawn with the
+        # epoch's other draws, in torch's order, so a resume replays it.
+        self.shared = SharedSeed() if is_iter_datapipe(loader.dataset) else None
+        self.shared_seed = None
         self.worker_states = [None] * max(1, self.num_workers)
 
     # -- starting an epoch --------------------------------------------------
@@ -147,6 +152,8 @@ class IndexStream:
             return
         with drawing_from(plan.global_rng):  # also what _capture records as the start
             self._capture()
+            if fresh:
+                self._draw_shared_seed()  # torch's _BaseDataLoaderIter.__init__
             self._sampler_iter = iter(self.index_sampler)
             if fresh:
                 if plan.base_seed is not None:  # persistent workers: one base seed for all
@@ -155,7 +162,17 @@ class IndexStream:
                     self.base_seed, self.draws_base_seed = draw_base_seed(self.generator), True
             else:
                 self.draws_base_seed = False
+            if not fresh or self.num_workers > 0:
+                self._draw_shared_seed(keep=not fresh)  # torch's _reset
             self._peek()
+
+    def _draw_shared_seed(self, keep: bool = True) -> None:
+        """An IterDataPipe's shared seed, where torch draws one; torch's
+        multi-process iterator draws a second at once and keeps the first."""
+        if self.shared is not None:
+            seed = self.shared.draw(self.generator)
+            if keep:
+                self.shared_seed = seed
 
     def _peek(self) -> None:
         """Take the first batch of indices now, at iter().
@@ -197,6 +214,7 @@ class IndexStream:
         self._skip = set(self.out_of_order)
         start = 0
         with replaying(self.generator, self.generators, self.rng):
+            self._draw_shared_seed()  # the epoch's: its first draw, fresh or not
             if sampler_state is not None and sampler_state["protocol"] == "position":
                 self.sampler.load_state_dict(sampler_state["state"])
                 start = self.frontier
@@ -208,6 +226,8 @@ class IndexStream:
             self._sampler_iter = iter(self.index_sampler)
             if self.draws_base_seed and fresh:
                 draw_base_seed(self.generator)  # keeps the generator in step
+            if self.draws_base_seed and self.num_workers > 0:
+                self._draw_shared_seed(keep=False)  # so does torch's second draw
             if self.is_iterable:
                 if self.ships_state:
                     self.first_worker = state["next_worker"]
@@ -260,9 +280,12 @@ class IndexStream:
         with replaying(self.generator, self.generators, state["epoch_start_rng"]):
             if sampler_state is not None and sampler_state["protocol"] == "epoch_start":
                 self.sampler.load_state_dict(sampler_state["state"])
+            self._draw_shared_seed(keep=False)
             it = iter(self.index_sampler)
             if state["draws_base_seed"]:
                 draw_base_seed(self.generator)
+                if self.num_workers > 0:
+                    self._draw_shared_seed(keep=False)
             if not self.is_iterable and not (
                     sampler_state is not None and sampler_state["protocol"] == "position"):
                 return _advance(it, None)

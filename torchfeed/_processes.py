@@ -14,6 +14,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+import warnings
 
 from ._index_queue import IndexQueue
 from ._pickling import describe_unpicklable
@@ -21,6 +22,13 @@ from ._stack_dump import StackPipe
 from ._worker import WorkerSpec, worker_loop
 
 SHUTDOWN_GRACE = 1.0  # seconds all workers share to exit before termination
+
+_TORCH_PICKLE_WARNING = (  # torch's, word for word
+    "Got pickle error when attempting to start a worker Process. "
+    "This might be because the worker Process arguments are not picklable. "
+    "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
+    "to 'forkserver', which requires the worker Process arguments to be picklable. "
+    "You can also try multiprocessing.set_start_method('fork').")
 
 
 def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
@@ -45,7 +53,11 @@ def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
                     for name, value in parts.items()
                     if value is not None and _unpicklable(value)]
         detail = "; ".join(culprits) or str(exc)
+        # torch warns, then re-raises pickle's own error: keep both, with
+        # pickle's sentence as the first line and what to do after it.
+        warnings.warn(_TORCH_PICKLE_WARNING, stacklevel=5)
         raise type(exc)(
+            f"{exc}\n"
             f"DataLoader could not start worker {worker_id} with the '{method}' start "
             f"method, which pickles the dataset, collate_fn and worker_init_fn: {detail}. "
             "Define them at module level (no lambdas or local functions), or use "

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from . import _seeding
+from ._datapipes import shard_graph
 from ._fetch import create_fetcher
 from ._index_stream import NO_STATE
 from ._iterator_base import BaseIterator
@@ -27,10 +28,12 @@ class SingleProcessIterator(BaseIterator):
             # torch accepts the argument and fails here, with an AssertionError,
             # after drawing the base seed; keep the type and the RNG draw.
             raise AssertionError(
+                "_SingleProcessDataLoaderIter requires timeout == 0\n"
                 f"timeout={self._timeout} needs worker processes: a DataLoader with "
                 "num_workers=0 loads in the calling thread and cannot time out. Set "
                 "timeout=0, or num_workers > 0.")
         self._seed_per_batch = getattr(loader, "seed_per_batch", False)
+        shard_graph(self._dataset, 0, 0)  # a DataPipe: this rank's share, as torch does
         self._make_fetcher()
 
     def _make_fetcher(self) -> None:

@@ -113,6 +113,9 @@ class Plan:
         self.next = next
 
 
+_LEN_UNKNOWN = object()  # len(dataset) not asked for yet
+
+
 class ResumeBook:
     """Per-loader book-keeping: the live index stream, the epoch count, a loaded state."""
 
@@ -123,13 +126,12 @@ class ResumeBook:
         self.loaded = None    # the state loaded, returned by state_dict() until then
         dataset = loader.dataset
         iterable = isinstance(dataset, IterableDataset)
-        try:
-            length = None if iterable else len(dataset)
-        except TypeError:
-            length = None
-        self.header = {
+        # len(dataset) waits until a state is saved or loaded (see header):
+        # torch's iter() calls it only through a sampler that needs it.
+        self._dataset = None if iterable else dataset
+        self._header = {
             "version": VERSION, "kind": KIND,
-            "dataset_kind": "iterable" if iterable else "map", "dataset_len": length,
+            "dataset_kind": "iterable" if iterable else "map", "dataset_len": _LEN_UNKNOWN,
             "batch_size": loader.batch_size, "drop_last": bool(loader.drop_last),
             "num_workers": loader.num_workers,
             "persistent_workers": bool(loader.persistent_workers),
@@ -138,12 +140,23 @@ class ResumeBook:
             "sampler": None if iterable else describe_sampler(loader._index_sampler),
         }
 
+    @property
+    def header(self) -> dict:
+        if self._header["dataset_len"] is _LEN_UNKNOWN:
+            try:
+                length = None if self._dataset is None else len(self._dataset)
+            except (TypeError, NotImplementedError):  # no usable __len__: torch's
+                length = None                         # batch_sampler path works without
+            self._header["dataset_len"] = length
+            self._dataset = None
+        return self._header
+
     def __getstate__(self):
         # A copied or pickled loader keeps its epoch count and a pending loaded
         # state, not the live iteration (whose sampler iterator cannot be copied):
         # like torch's loader, the copy's next iter() starts an epoch.
         return {"live": None, "next_epoch": self.next_epoch, "plan": self.plan,
-                "loaded": self.loaded, "header": self.header}
+                "loaded": self.loaded, "_header": self.header, "_dataset": None}
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)

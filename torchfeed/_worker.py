@@ -37,6 +37,7 @@ import torch
 import torch.utils.data._utils.worker as _torch_worker
 
 from . import _seeding, _stack_dump
+from ._datapipes import seed_graph, shard_graph
 from ._errors import WorkerFailure, add_note
 from ._fetch import create_fetcher
 from ._index_stream import StatefulResult
@@ -59,6 +60,7 @@ class Task:
 class ResumeIteration:
     """Start a new epoch with persistent workers."""
     epoch: int
+    shared_seed: int | None = None  # an IterDataPipe's, for the new epoch (_datapipes.py)
 
 
 @dataclass
@@ -85,6 +87,7 @@ class WorkerSpec:
     # before iterating (a resume), and sends its state with every batch.
     resume_states: list | None = None
     ships_state: bool = False
+    shared_seed: int | None = None  # an IterDataPipe's (_datapipes.py)
 
 
 def _main_process_alive(main_pid: int, parent_pid: int) -> bool:
@@ -194,12 +197,13 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
 
     torch.set_num_threads(1)
     seed = _seeding.seed_worker(spec.base_seed, worker_id)
-    dataset = spec.dataset
+    dataset = seed_graph(spec.dataset, spec.shared_seed)  # as torch's worker does
     _torch_worker._worker_info = _torch_worker.WorkerInfo(
         id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset)
 
     init_failure = None
     try:
+        shard_graph(dataset, spec.num_workers, worker_id)  # torch: before worker_init_fn
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(worker_id)
     except Exception as exc:
@@ -238,6 +242,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             if isinstance(task, ResumeIteration):
                 epoch = task.epoch
                 exhausted = False
+                dataset = seed_graph(dataset, task.shared_seed)
                 fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
                                          collate_fn, spec.drop_last)
                 results.put((task, worker_id, None, 0.0))

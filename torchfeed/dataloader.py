@@ -12,6 +12,8 @@ loader rebuilt from its attributes keeps them too.
 """
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch.utils.data
 
 from . import _state
@@ -23,7 +25,10 @@ from ._single_process import SingleProcessIterator
 from ._stats import LoaderStats, empty_stats
 
 
-class DataLoader(torch.utils.data.DataLoader):
+T_co = TypeVar("T_co", covariant=True)
+
+
+class DataLoader(torch.utils.data.DataLoader[T_co]):
     """A drop-in replacement for :class:`torch.utils.data.DataLoader`.
 
     Takes exactly torch's arguments, with torch's defaults and validation, plus

@@ -77,6 +77,9 @@ class DirectCollate:
         if (type(elem) is not torch.Tensor or elem.layout is not torch.strided
                 or not elem.is_cpu or elem.is_nested or elem.is_quantized):
             return _torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+        # torch's worker path sums numel() first: a batch mixing in a numpy
+        # array fails there with AttributeError, so it must here too.
+        sum(x.numel() for x in batch)
         out = self._view((len(batch), *elem.shape), elem.dtype)
         if out is None:  # keep the first element's dtype, as torch's worker does
             out = torch.empty((len(batch), *elem.shape), dtype=elem.dtype)
