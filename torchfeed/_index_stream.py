@@ -310,9 +310,12 @@ class IndexStream:
         with replaying(self.generator, self.generators, state["epoch_start_rng"]):
             if protocol in ("position", "epoch_start"):
                 self.sampler.load_state_dict(sampler_state["state"])
+            self._draw_shared_seed(keep=False)  # the draws replay_to_end makes, in its order
             it = iter(self.index_sampler)
             if state["draws_base_seed"]:
                 draw_base_seed(self.generator)
+                if self.num_workers > 0:
+                    self._draw_shared_seed(keep=False)
             start = frontier if protocol == "position" else 0  # it resumes there itself
             return frontier, start + _advance(it, last + 1 - start)
 
