@@ -22,7 +22,7 @@ def test_next_iter_after_a_caught_worker_death_starts_fresh_workers(pin, tmp_pat
     dataset = make_dataset("map", n=16, fault="sigkill", at=5, marker=str(marker), once=True)
     loader = DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True,
                         pin_memory=pin)
-    with pytest.raises(RuntimeError, match=r"DataLoader worker \d \(pid \d+\) exited "
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid\(s\) \d+\) exited "
                                            r"unexpectedly"):
         for _ in loader:
             pass
