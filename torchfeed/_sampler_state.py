@@ -97,11 +97,24 @@ def saved_sampler_epoch(state: dict, sampler):
 
 
 def sampler_generators(index_sampler, loader_generator) -> list:
-    """torch.Generators the sampler (or torch's BatchSampler's sampler) owns, in a fixed order."""
+    """torch.Generators the sampler and the samplers it wraps own, in a fixed order.
+
+    Wrapped: torch's BatchSampler's ``sampler``, and the ``batch_sampler`` inside
+    a sharding batch sampler (Accelerate's ``BatchSamplerShard``), whose shuffle
+    is drawn from the innermost sampler's generator.
+    """
     found = []
-    for obj in (index_sampler, getattr(index_sampler, "sampler", None)):
+    for obj in _wrapped_samplers(index_sampler):
         g = getattr(obj, "generator", None)
         if isinstance(g, torch.Generator) and g is not loader_generator \
                 and all(g is not other for other in found):
             found.append(g)
     return found
+
+
+def _wrapped_samplers(index_sampler, depth: int = 4) -> list:
+    chain, obj = [], index_sampler
+    while obj is not None and len(chain) < depth:
+        chain.append(obj)
+        obj = getattr(obj, "sampler", None) or getattr(obj, "batch_sampler", None)
+    return chain
