@@ -31,6 +31,7 @@ import itertools
 import torch
 from torch.utils.data import IterableDataset
 
+from ._chunked_sampler import iterate
 from ._datapipes import SharedSeed, is_iter_datapipe
 from ._rng import draw_base_seed, drawing_from, encode_rng, replaying
 from ._sampler_state import (epoch_state, sampler_generators, saved_sampler_epoch,
@@ -154,7 +155,7 @@ class IndexStream:
             self._capture()
             if fresh:
                 self._draw_shared_seed()  # torch's _BaseDataLoaderIter.__init__
-            self._sampler_iter = iter(self.index_sampler)
+            self._sampler_iter = iterate(self.index_sampler)
             if fresh:
                 if plan.base_seed is not None:  # persistent workers: one base seed for all
                     self.base_seed, self.draws_base_seed = plan.base_seed, False
@@ -223,7 +224,7 @@ class IndexStream:
                 self.sampler_start_state = sampler_state["state"]
                 if sampler_state["protocol"] == "epoch_start":
                     self.sampler.load_state_dict(sampler_state["state"])
-            self._sampler_iter = iter(self.index_sampler)
+            self._sampler_iter = iterate(self.index_sampler)
             if self.draws_base_seed and fresh:
                 draw_base_seed(self.generator)  # keeps the generator in step
             if self.draws_base_seed and self.num_workers > 0:
@@ -281,7 +282,7 @@ class IndexStream:
             if sampler_state is not None and sampler_state["protocol"] == "epoch_start":
                 self.sampler.load_state_dict(sampler_state["state"])
             self._draw_shared_seed(keep=False)
-            it = iter(self.index_sampler)
+            it = iterate(self.index_sampler)
             if state["draws_base_seed"]:
                 draw_base_seed(self.generator)
                 if self.num_workers > 0:
