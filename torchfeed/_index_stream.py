@@ -312,7 +312,7 @@ class IndexStream:
             if protocol in ("position", "epoch_start"):
                 self.sampler.load_state_dict(sampler_state["state"])
             self._draw_shared_seed(keep=False)  # the draws replay_to_end makes, in its order
-            it = iter(self.index_sampler)
+            it = iterate(self.index_sampler)
             if state["draws_base_seed"]:
                 draw_base_seed(self.generator)
                 if self.num_workers > 0:
