@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from . import _seeding
+from ._datapipes import shard_graph
 from ._fetch import create_fetcher
 from ._index_stream import NO_STATE
 from ._iterator_base import BaseIterator
@@ -27,10 +28,12 @@ class SingleProcessIterator(BaseIterator):
             # torch accepts the argument and fails here, with an AssertionError,
             # after drawing the base seed; keep the type and the RNG draw.
             raise AssertionError(
+                "_SingleProcessDataLoaderIter requires timeout == 0\n"
                 f"timeout={self._timeout} needs worker processes: a DataLoader with "
                 "num_workers=0 loads in the calling thread and cannot time out. Set "
                 "timeout=0, or num_workers > 0.")
         self._seed_per_batch = getattr(loader, "seed_per_batch", False)
+        shard_graph(self._dataset, 0, 0)  # a DataPipe: this rank's share, as torch does
         self._make_fetcher()
 
     def _make_fetcher(self) -> None:
@@ -72,10 +75,14 @@ class SingleProcessIterator(BaseIterator):
             if self._stream.ships_state:  # the state its end left the dataset in
                 self._stream.worker_ended(0, self._dataset.state_dict())
             raise
+        except Exception:
+            self._stream.record_failure(batch_index, indices)
+            raise
         state, ended = NO_STATE, False
         if self._stream.ships_state:  # the dataset's state right after this batch
             state, ended = self._dataset.state_dict(), self._fetcher.ended
         if self._pin_memory:
             data = pin_memory(data, self._pin_memory_device)
-        self._stream.record_yield(batch_index, indices, 0, state, ended)
+        samples = self._fetcher.last_size if self._is_iterable else None
+        self._stream.record_yield(batch_index, indices, 0, state, ended, samples)
         return data

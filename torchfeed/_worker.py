@@ -9,6 +9,10 @@ reported right after making it), a ``WorkerFailure`` or an ``IterableExhausted``
 marker, and seconds is the time fetch + collate + pack + pickle took (for
 ``DataLoader.stats()``).  Small messages are written by the worker's main
 thread itself (``_result_writer.py``), larger ones by the queue's feeder thread.
+A worker's first message also carries ``(launched_at, ready_at, private bytes)``:
+when the main process started it and when it was ready for its first task
+(``time.monotonic()``, one clock for all processes), and its private memory
+(USS) then, for ``DataLoader.stats()``.
 
 Two rules keep the main process from ever hanging on a worker:
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import faulthandler
+import gc
 import io
 import os
 import pickle
@@ -33,10 +38,12 @@ from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
+import psutil
 import torch
 import torch.utils.data._utils.worker as _torch_worker
 
 from . import _seeding, _stack_dump
+from ._datapipes import seed_graph, shard_graph
 from ._errors import WorkerFailure, add_note
 from ._fetch import create_fetcher
 from ._index_stream import StatefulResult
@@ -59,6 +66,7 @@ class Task:
 class ResumeIteration:
     """Start a new epoch with persistent workers."""
     epoch: int
+    shared_seed: int | None = None  # an IterDataPipe's, for the new epoch (_datapipes.py)
 
 
 @dataclass
@@ -85,6 +93,7 @@ class WorkerSpec:
     # before iterating (a resume), and sends its state with every batch.
     resume_states: list | None = None
     ships_state: bool = False
+    shared_seed: int | None = None  # an IterDataPipe's (_datapipes.py)
 
 
 def _main_process_alive(main_pid: int, parent_pid: int) -> bool:
@@ -174,8 +183,18 @@ def _unsendable(exc: Exception, detail: str, worker_id: int, task: Task | None):
                          task.batch_index if task else None)
 
 
+def settle_heap(enable_gc: bool) -> None:
+    """Put everything this process inherited out of the collector's reach
+    (NOTE [ The collector and fork ] in ``_processes.py``); ``enable_gc``: the
+    parent paused the collector for the fork and it was on before."""
+    gc.freeze()
+    if enable_gc:
+        gc.enable()
+
+
 def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, channel,
-                stack_pipe=None) -> None:
+                stack_pipe=None, enable_gc: bool = False, launched_at: float = 0.0) -> None:
+    settle_heap(enable_gc)  # first: before anything here can trigger a collection
     # Ctrl-C reaches the whole process group; the main process decides when
     # workers stop, so a worker must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -194,12 +213,13 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
 
     torch.set_num_threads(1)
     seed = _seeding.seed_worker(spec.base_seed, worker_id)
-    dataset = spec.dataset
+    dataset = seed_graph(spec.dataset, spec.shared_seed)  # as torch's worker does
     _torch_worker._worker_info = _torch_worker.WorkerInfo(
         id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset)
 
     init_failure = None
     try:
+        shard_graph(dataset, spec.num_workers, worker_id)  # torch: before worker_init_fn
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(worker_id)
     except Exception as exc:
@@ -223,6 +243,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     results = ResultWriter(result_queue)
     index_fds = [index_queue._reader.fileno()]
     plain_tuples = packer.plain_tuples
+    started = (launched_at, time.monotonic(), _private_bytes())  # sent with the first message
     try:
         while True:
             # Queue.get(timeout=...) builds and tears down a selector per call;
@@ -238,6 +259,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             if isinstance(task, ResumeIteration):
                 epoch = task.epoch
                 exhausted = False
+                dataset = seed_graph(dataset, task.shared_seed)
                 fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
                                          collate_fn, spec.drop_last)
                 results.put((task, worker_id, None, 0.0))
@@ -252,7 +274,8 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 if isinstance(payload, IterableExhausted):
                     exhausted = True
             message = _serialize(task.send_idx, payload, worker_id, task, plain_tuples)
-            results.put((*message, time.perf_counter() - start))  # + busy time, for stats
+            results.put((*message, time.perf_counter() - start, *started))  # + busy time, for stats
+            started = ()
             del payload, task
     except BrokenPipeError:
         pass  # the main process is gone; the watchdog would end us in a moment
@@ -266,6 +289,13 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
         # shutting down it terminates us after its grace period.
         result_queue.close()
         result_queue.join_thread()
+
+
+def _private_bytes() -> int:
+    try:
+        return psutil.Process().memory_full_info().uss
+    except (psutil.Error, AttributeError, OSError):
+        return 0  # not readable here: stats show no figure
 
 
 def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int, packer):
@@ -289,4 +319,7 @@ def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int,
         if find_unpicklable(batch) is not None:
             return _unsendable(exc, describe_unpicklable(batch), worker_id, task)
         return WorkerFailure(exc, worker_id, "packing", task.indices, task.batch_index)
-    return StatefulResult(payload, state, fetcher.ended) if spec.ships_state else payload
+    short = fetcher.last_size if spec.is_iterable else None  # the samples a short batch holds
+    if spec.ships_state or short is not None:
+        return StatefulResult(payload, state, fetcher.ended, short)
+    return payload

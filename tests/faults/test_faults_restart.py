@@ -101,7 +101,9 @@ def test_restart_budget_runs_out(tmp_path):
     _, pid, worker_id = read_marker(markers[1])
     msg = failure.message
     assert failure.type is RuntimeError
-    assert msg.startswith(f"DataLoader worker {worker_id} (pid {pid}) exited unexpectedly"), msg
+    # torch's sentence first (its iterator's), then torchfeed's line naming the worker
+    assert msg.startswith(f"DataLoader worker (pid(s) {pid}) exited unexpectedly\n"), msg
+    assert f"\nWorker {worker_id} (pid {pid}) " in msg, msg
     assert "sample indices [44, 45, 46, 47]" in msg, msg
     assert (f"It was not restarted: all max_worker_restarts=1 restarts were used (worker "
             f"{first_worker} (pid {first_pid}) was killed by signal SIGKILL (9))") in msg, msg
