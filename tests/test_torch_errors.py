@@ -335,3 +335,42 @@ def test_unpicklable_worker_arguments_in_torchs_words():
     assert ours.splitlines()[0] == theirs, ours
     assert ours_warned == theirs_warned
     assert "collate_fn" in ours and "module level" in ours
+
+
+class PinFails:
+    """A batch type whose own pin_memory() fails (pin_memory() calls it)."""
+
+    def pin_memory(self, device=None):
+        raise ValueError("cannot pin")
+
+
+def test_pin_memory_thread_failure_in_torchs_words(monkeypatch):
+    """torch's pin-memory thread wraps an error with where="in pin memory
+    thread for device <index>".  There is no accelerator here, so the thread
+    is run on its own, told it pins for device 0 (making that device current
+    is skipped), and its error is compared with torch's wrapper's."""
+    from torch._utils import ExceptionWrapper
+
+    from torchfeed._pin_memory import PinMemoryThread
+
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+    items = [(True, (0, PinFails()))]
+    thread = PinMemoryThread(lambda timeout: items.pop() if items else (False, None),
+                             "cuda", 0, pin=True)
+    try:
+        kind, (send_idx, failure) = thread.out.get(timeout=10)
+    finally:
+        thread.stop()
+    try:
+        raise ValueError("cannot pin")
+    except ValueError:
+        theirs_wrapper = ExceptionWrapper(where="in pin memory thread for device 0")
+    raised = []
+    for wrapper in (theirs_wrapper, failure):
+        with pytest.raises(ValueError) as info:
+            wrapper.reraise()
+        raised.append(str(info.value))
+    theirs, ours = raised
+    assert theirs.splitlines()[0] == "Caught ValueError in pin memory thread for device 0."
+    assert ours.splitlines()[0] == theirs.splitlines()[0], ours
+    assert ours.splitlines()[-1] == theirs.splitlines()[-1] == "ValueError: cannot pin"
