@@ -10,6 +10,7 @@ torch's timeout error promptly, under every start method (it once hung at
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
 import signal
@@ -62,6 +63,10 @@ class SlowFirstItem(Dataset):
 
 
 def _time_out_in_child(methods, conn):
+    # The fork server starts once per process, before any worker; torchfeed has
+    # it import torch first (seconds on a loaded machine), which no timeout
+    # covers, in torch's loader either.  Start it here, outside the timing.
+    multiprocessing.forkserver.ensure_running()
     for method in methods:
         loader = torchfeed.DataLoader(SlowFirstItem(), batch_size=1, num_workers=2, timeout=1,
                                       multiprocessing_context=method)

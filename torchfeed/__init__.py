@@ -9,6 +9,7 @@ from torch.utils.data._utils.worker import WorkerInfo
 
 from .dataloader import DataLoader
 from .distributed import DistributedSampler
+from .frameworks import prepare
 
 __all__ = [
     "DataLoader",
@@ -17,6 +18,7 @@ __all__ = [
     "default_collate",
     "default_convert",
     "get_worker_info",
+    "prepare",
     "tune",
 ]
 __version__ = "0.1.0"

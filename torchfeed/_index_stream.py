@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import BatchSampler, IterableDataset
 
+from ._chunked_sampler import iterate
 from ._datapipes import SharedSeed, is_iter_datapipe
 from ._rng import draw_base_seed, drawing_from, encode_rng, replaying
 
@@ -102,14 +103,27 @@ def _saved_sampler_epoch(state: dict):
 
 
 def sampler_generators(index_sampler, loader_generator) -> list:
-    """torch.Generators the sampler (or torch's BatchSampler's sampler) owns, in a fixed order."""
+    """torch.Generators the sampler and the samplers it wraps own, in a fixed order.
+
+    Wrapped: torch's BatchSampler's ``sampler``, and the ``batch_sampler`` inside
+    a sharding batch sampler (Accelerate's ``BatchSamplerShard``), whose shuffle
+    is drawn from the innermost sampler's generator.
+    """
     found = []
-    for obj in (index_sampler, getattr(index_sampler, "sampler", None)):
+    for obj in _wrapped_samplers(index_sampler):
         g = getattr(obj, "generator", None)
         if isinstance(g, torch.Generator) and g is not loader_generator \
                 and all(g is not other for other in found):
             found.append(g)
     return found
+
+
+def _wrapped_samplers(index_sampler, depth: int = 4) -> list:
+    chain, obj = [], index_sampler
+    while obj is not None and len(chain) < depth:
+        chain.append(obj)
+        obj = getattr(obj, "sampler", None) or getattr(obj, "batch_sampler", None)
+    return chain
 
 
 class IndexStream:
@@ -180,7 +194,7 @@ class IndexStream:
             self._capture()
             if fresh:
                 self._draw_shared_seed()  # torch's _BaseDataLoaderIter.__init__
-            self._sampler_iter = iter(self.index_sampler)
+            self._sampler_iter = iterate(self.index_sampler)
             if fresh:
                 if plan.base_seed is not None:  # persistent workers: one base seed for all
                     self.base_seed, self.draws_base_seed = plan.base_seed, False
@@ -249,7 +263,7 @@ class IndexStream:
                 self.sampler_start_state = sampler_state["state"]
                 if sampler_state["protocol"] == "epoch_start":
                     self.sampler.load_state_dict(sampler_state["state"])
-            self._sampler_iter = iter(self.index_sampler)
+            self._sampler_iter = iterate(self.index_sampler)
             if self.draws_base_seed and fresh:
                 draw_base_seed(self.generator)  # keeps the generator in step
             if self.draws_base_seed and self.num_workers > 0:
@@ -300,7 +314,7 @@ class IndexStream:
             if sampler_state is not None and sampler_state["protocol"] == "epoch_start":
                 self.sampler.load_state_dict(sampler_state["state"])
             self._draw_shared_seed(keep=False)
-            it = iter(self.index_sampler)
+            it = iterate(self.index_sampler)
             if state["draws_base_seed"]:
                 draw_base_seed(self.generator)
                 if self.num_workers > 0:

@@ -9,6 +9,10 @@ reported right after making it), a ``WorkerFailure`` or an ``IterableExhausted``
 marker, and seconds is the time fetch + collate + pack + pickle took (for
 ``DataLoader.stats()``).  Small messages are written by the worker's main
 thread itself (``_result_writer.py``), larger ones by the queue's feeder thread.
+A worker's first message also carries ``(launched_at, ready_at, private bytes)``:
+when the main process started it and when it was ready for its first task
+(``time.monotonic()``, one clock for all processes), and its private memory
+(USS) then, for ``DataLoader.stats()``.
 
 Two rules keep the main process from ever hanging on a worker:
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import faulthandler
+import gc
 import io
 import os
 import pickle
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
+import psutil
 import torch
 import torch.utils.data._utils.worker as _torch_worker
 
@@ -177,8 +183,18 @@ def _unsendable(exc: Exception, detail: str, worker_id: int, task: Task | None):
                          task.batch_index if task else None)
 
 
+def settle_heap(enable_gc: bool) -> None:
+    """Put everything this process inherited out of the collector's reach
+    (NOTE [ The collector and fork ] in ``_processes.py``); ``enable_gc``: the
+    parent paused the collector for the fork and it was on before."""
+    gc.freeze()
+    if enable_gc:
+        gc.enable()
+
+
 def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, channel,
-                stack_pipe=None) -> None:
+                stack_pipe=None, enable_gc: bool = False, launched_at: float = 0.0) -> None:
+    settle_heap(enable_gc)  # first: before anything here can trigger a collection
     # Ctrl-C reaches the whole process group; the main process decides when
     # workers stop, so a worker must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -227,6 +243,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     results = ResultWriter(result_queue)
     index_fds = [index_queue._reader.fileno()]
     plain_tuples = packer.plain_tuples
+    started = (launched_at, time.monotonic(), _private_bytes())  # sent with the first message
     try:
         while True:
             # Queue.get(timeout=...) builds and tears down a selector per call;
@@ -257,7 +274,8 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 if isinstance(payload, IterableExhausted):
                     exhausted = True
             message = _serialize(task.send_idx, payload, worker_id, task, plain_tuples)
-            results.put((*message, time.perf_counter() - start))  # + busy time, for stats
+            results.put((*message, time.perf_counter() - start, *started))  # + busy time, for stats
+            started = ()
             del payload, task
     except BrokenPipeError:
         pass  # the main process is gone; the watchdog would end us in a moment
@@ -271,6 +289,13 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
         # shutting down it terminates us after its grace period.
         result_queue.close()
         result_queue.join_thread()
+
+
+def _private_bytes() -> int:
+    try:
+        return psutil.Process().memory_full_info().uss
+    except (psutil.Error, AttributeError, OSError):
+        return 0  # not readable here: stats show no figure
 
 
 def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int, packer):

@@ -233,7 +233,7 @@ class Packer:
                 self.pool.counters[_slots.C_FALLBACKS] += 1
                 return Plain(batch, self._warning(reason))
             if reserved is not None:  # the batch outgrew the reserved slot: copy it all
-                p = _layout.dump(batch)
+                p = _layout.dump(batch, 0, direct, copy_direct=True)
             _layout.copy_leaves(p.leaves, slot)
         c.expected_nbytes = need
         pool = self.pool
