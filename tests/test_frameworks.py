@@ -99,6 +99,27 @@ def test_accelerate_keeps_torchfeed_and_round_trips_save_state(new_accelerator, 
     assert ids(resumed) == expected[2:]
 
 
+def test_accelerate_stateful_dataloader_option_warns_and_keeps_torchfeed(fresh_warnings):
+    """Accelerate's use_stateful_dataloader builds torchdata's loader and takes its state
+    (drawing from the RNG) before torchfeed replaces it: torchfeed says so."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+            use_stateful_dataloader=True))
+        loader = torchfeed.DataLoader(Ids(), batch_size=4, shuffle=True)
+        with pytest.warns(UserWarning, match="Leave use_stateful_dataloader off"):
+            prepared = torchfeed.prepare(accelerator.prepare, loader)
+        assert type(prepared.base_dataloader) is torchfeed.DataLoader
+        assert sorted(i for batch in ids(prepared) for i in batch) == list(range(22))
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
 # -- Accelerate, two processes (torchrun, gloo) ----------------------------------------
 def _launch(cmd, timeout):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -214,10 +235,14 @@ def test_ray_train_keeps_torchfeed_and_resumes_exactly_after_a_failure(tmp_path)
         # the samples trained across the failure equal the uninterrupted split
         resumed_from = second["resumed_from"]
         assert resumed_from is not None and 0 <= resumed_from < len(expected) - 1
-        trained = [b for step, b in first["steps"] if step <= resumed_from]
-        trained += [b for step, b in second["steps"]]
-        assert [s for s, _ in second["steps"]] == list(range(resumed_from + 1, len(expected)))
+        assert [s[0] for s in second["steps"]] == list(range(resumed_from + 1, len(expected)))
+        trained = [s[1] for s in first["steps"] if s[0] <= resumed_from]
+        trained += [s[1] for s in second["steps"]]
         assert trained == expected
+        # the loader Ray kept (torchfeed.DistributedSampler deals torch's indices) too
+        assert second["kept"] == ["torchfeed.dataloader", False]
+        kept = [s[2] for s in first["steps"] if s[0] <= resumed_from]
+        assert kept + [s[2] for s in second["steps"]] == expected
         assert second["engine"][3] == len(expected) - resumed_from - 1  # stats of this attempt
     assert sorted(union) == list(range(64))
 
