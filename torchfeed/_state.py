@@ -6,10 +6,13 @@ of its batches reached the user (plus any yielded out of order), and the RNG
 states the epoch's shuffle was drawn from; resuming rebuilds the stream and
 skips the consumed positions without loading a sample.  That needs nothing from
 the workers, so a state saved with ``num_workers=a`` resumes with any ``b``.
-An IterableDataset with ``state_dict``/``load_state_dict`` adds, per worker, the
-state its copy reported with its latest batch that was yielded, and which
-worker is next in the round-robin; without them the consumed batches are read
-again and dropped, with a warning.
+A Stateful dataset, or the Stateful iterator an IterableDataset's ``iter()``
+returns (torchdata's protocol, ``_stateful.py``), adds, per worker, the state its
+copy reported with its latest batch that was yielded, and which worker is next
+in the round-robin.  An IterableDataset with neither has its consumed batches
+read again and dropped, with a warning.  Per-worker states resume with the same
+``num_workers``; a map-style dataset's also with another, when every worker's
+saved state is the same (else ``ValueError``).
 
 The format (version 1), plain values only, so it survives ``json`` and
 ``torch.load(weights_only=True)``; its size is O(num_workers)::
@@ -27,13 +30,14 @@ The format (version 1), plain values only, so it survives ``json`` and
      "epoch_start_rng": {"generator": str | None, "global": str, "samplers": [str, ...]} | None,
      "sampler_state": {"protocol": "position" | "epoch_start" | "set_epoch",
                        "state": ...} | None,  # set_epoch: {"epoch", "num_replicas"}
-     "worker_states": [state | None, ...] | None,           # stateful IterableDataset only
+     "worker_states": [state | None, ...] | None,   # per worker: its dataset copy's state
+     "iterator_states": [state | None, ...] | None, # per worker: its iter(dataset)'s state
      "exhausted_workers": [int, ...],  # their stream ended with the last batch yielded
      "next_worker": int,
      "next_epoch_global_rng": str | None}  # epoch_finished only: the global RNG at state_dict()
 
-``next_epoch_global_rng`` was added within version 1; a state without it loads
-as if it were None.
+``next_epoch_global_rng`` and ``iterator_states`` were added within version 1;
+a state without them loads as if they were None.
 
 RNG states are base64 strings of the generators' byte states.  ``load_state_dict``
 checks everything it can up front (``_state_validation.py``) and raises
@@ -71,8 +75,9 @@ from collections.abc import Mapping
 import torch
 from torch.utils.data import IterableDataset
 
-from ._index_stream import IndexStream, StatefulResult
+from ._index_stream import IndexStream, StatefulResult, has_worker_state
 from ._rng import encode_rng
+from ._stateful import check
 from ._state_validation import KIND, VERSION, validate
 from .distributed import rank_and_world_size
 
@@ -80,7 +85,8 @@ from .distributed import rank_and_world_size
 class Plan:
     """What the next epoch started on a loader is: its number, and what to restore."""
 
-    __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted", "global_rng")
+    __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted", "global_rng",
+                 "iterator_states")
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__}
@@ -90,11 +96,12 @@ class Plan:
             setattr(self, name, value)
 
     def __init__(self, epoch: int, state=None, base_seed=None, worker_states=None,
-                 exhausted=(), global_rng=None) -> None:
+                 exhausted=(), global_rng=None, iterator_states=None) -> None:
         self.epoch = epoch
         self.state = state                  # a state whose epoch this one continues
         self.base_seed = base_seed          # persistent workers keep one base seed
-        self.worker_states = worker_states  # IterableDataset states to load first
+        self.worker_states = worker_states  # dataset states to load first
+        self.iterator_states = iterator_states  # loaded into what iter(dataset) returns
         self.exhausted = exhausted          # workers with nothing left this epoch
         self.global_rng = global_rng        # a new epoch's draws come from this global RNG
 
@@ -159,8 +166,8 @@ def state_dict(loader) -> dict:
         state.update(epoch=book.next_epoch, epoch_finished=False, batches_yielded=0,
                      samples_yielded=0, out_of_order_yielded=[], base_seed=None,
                      draws_base_seed=True, epoch_start_rng=None, sampler_state=None,
-                     worker_states=None, exhausted_workers=[], next_worker=0,
-                     next_epoch_global_rng=None)
+                     worker_states=None, iterator_states=None, exhausted_workers=[],
+                     next_worker=0, next_epoch_global_rng=None)
         return state
     state["epoch"] = s.epoch
     state["epoch_finished"] = s.finished
@@ -172,7 +179,9 @@ def state_dict(loader) -> dict:
     state["draws_base_seed"] = s.draws_base_seed
     state["epoch_start_rng"] = s.rng
     state["sampler_state"] = s.sampler_state()
-    state["worker_states"] = list(s.worker_states) if s.ships_state else None
+    state["worker_states"] = [check(w) for w in s.worker_states] if s.ships_state else None
+    state["iterator_states"] = ([check(w) for w in s.iterator_states] if s.ships_state
+                                else None)
     state["exhausted_workers"] = sorted(s.exhausted) if s.exhausted else []
     state["next_worker"] = s.first_worker
     # Only a finished epoch's state pays for the encoding; a state inside an epoch
@@ -202,19 +211,24 @@ def load_state_dict(loader, state) -> None:
         plan = Plan(epoch)
     elif state["epoch_finished"]:
         probe.replay_to_end(state)
+        # The next epoch calls iter(dataset) anew: only the datasets' states carry over.
         plan = Plan(epoch + 1,
                     base_seed=state["base_seed"] if probe.persistent else None,
                     worker_states=state["worker_states"] if carries else None,
                     global_rng=state["next_epoch_global_rng"])
+    elif probe.is_iterable and not has_worker_state(state):
+        plan = Plan(epoch, state=state)
+        if state["batches_yielded"] > 0:
+            warnings.warn(
+                f"{type(loader.dataset).__name__} and the iterator its __iter__ returns have "
+                "no state_dict()/load_state_dict(), so resuming reads the "
+                f"{state['batches_yielded']} batches this epoch already yielded again and "
+                "drops them. Give the dataset (or its iterator) state_dict() and "
+                "load_state_dict() to resume without re-reading.", stacklevel=3)
     else:
         plan = Plan(epoch, state=state, worker_states=state["worker_states"],
-                    exhausted=tuple(state["exhausted_workers"]))
-        if probe.is_iterable and not probe.ships_state and state["batches_yielded"] > 0:
-            warnings.warn(
-                f"{type(loader.dataset).__name__} has no state_dict()/load_state_dict(), so "
-                f"resuming reads the {state['batches_yielded']} batches this epoch already "
-                "yielded again and drops them. Give the dataset state_dict() and "
-                "load_state_dict() to resume without re-reading.", stacklevel=3)
+                    exhausted=tuple(state["exhausted_workers"]),
+                    iterator_states=state["iterator_states"])
     book.plan, book.loaded, book.live = plan, state, None
     book.next_epoch = plan.epoch
 

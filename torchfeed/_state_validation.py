@@ -30,7 +30,7 @@ _FIELDS = {
     "world_size": _OPT_INT,
 }
 # Added within version 1: a state saved before they existed lacks them and still loads.
-_OPTIONAL_FIELDS = {"next_epoch_global_rng": "str or None"}
+_OPTIONAL_FIELDS = {"next_epoch_global_rng": "str or None", "iterator_states": "list or None"}
 
 
 def _fail(message: str):
@@ -121,18 +121,8 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
         _fail("field 'base_seed' is None in a state whose epoch started")
     _check_sampler_state(state["sampler_state"], probe)
     _check_out_of_order_world_size(state["sampler_state"], pairs, probe)
-    ws = state["worker_states"]
     slots = max(1, header["num_workers"])
-    if ws is not None:
-        if not probe.ships_state:
-            _fail(f"the state has worker_states but {type(loader.dataset).__name__} has no "
-                  "state_dict()/load_state_dict()")
-        if len(ws) != slots:
-            _fail(f"field 'worker_states' has {len(ws)} entries but this DataLoader has {slots} "
-                  "worker slot(s)")
-    elif probe.ships_state and state["batches_yielded"] > 0 and not state["epoch_finished"]:
-        _fail(f"field 'worker_states' is None but {type(loader.dataset).__name__} has "
-              "state_dict(); the state was saved from a loader over another dataset")
+    _check_worker_states(state, slots, loader, probe)
     bad = [w for w in state["exhausted_workers"]
            if not isinstance(w, int) or isinstance(w, bool) or not 0 <= w < slots]
     if bad:
@@ -142,6 +132,40 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
     out = dict(state)
     out["out_of_order_yielded"] = [list(p) for p in pairs]
     return out
+
+
+def _check_worker_states(state: dict, slots: int, loader, probe: IndexStream) -> None:
+    """Per-worker dataset and iterator states: one per worker slot of this loader.
+
+    A map-style dataset resumes with another ``num_workers`` only if its per-worker
+    states map onto the new workers: none was saved, or all are the same state.
+    """
+    name = type(loader.dataset).__name__
+    ws, its = state["worker_states"], state["iterator_states"]
+    if ws is None:
+        if probe.dataset_stateful and state["batches_yielded"] > 0 \
+                and not state["epoch_finished"]:
+            _fail(f"field 'worker_states' is None but {name} has state_dict(); the state "
+                  "was saved from a loader over another dataset")
+        if its is not None:
+            _fail("field 'iterator_states' is set but 'worker_states' is None")
+        return
+    if any(w is not None for w in ws) and not probe.dataset_stateful:
+        _fail(f"the state has worker_states but {name} has no state_dict()/"
+              "load_state_dict() callable with no arguments")
+    if its is not None and len(its) != len(ws):
+        _fail(f"field 'iterator_states' has {len(its)} entries but 'worker_states' has "
+              f"{len(ws)}")
+    if len(ws) == slots:
+        return
+    saved = [w for w in ws if w is not None]
+    if probe.is_iterable or any(w != saved[0] for w in saved) or len(saved) not in (0, len(ws)):
+        _fail(f"field 'worker_states' holds the states of {len(ws)} worker(s)' copies of "
+              f"{name}, which differ from each other, but this DataLoader has {slots} "
+              "worker slot(s); per-worker states cannot map onto another number of workers. "
+              f"Resume with num_workers={state['num_workers']}")
+    state["worker_states"] = [saved[0] if saved else None] * slots
+    state["iterator_states"] = None if its is None else [None] * slots
 
 
 def _check_rng(rng: Mapping, loader, probe: IndexStream) -> None:
