@@ -177,3 +177,25 @@ def test_iter_returning_self_is_not_called_again_per_batch(num_workers):
         got = [ids(b) for b in DataLoader(SelfIterating(21), batch_size=4,
                                           num_workers=num_workers)]
     assert got == expected
+
+
+# -- the generic fallback tells the truth (issue 21) -------------------------------------
+def test_stateless_iterable_resumed_in_a_later_epoch_warns_once():
+    from _resume_helpers import Stream  # keeps its own epoch counter, and no state
+
+    loader = DataLoader(Stream(10), batch_size=2)
+    list(loader)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    resumed = DataLoader(Stream(10), batch_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.load_state_dict(state)
+        list(resumed)
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert "Resuming reads the 2 batches this epoch already yielded again" in text
+    assert "resumes in epoch 1: a dataset that keeps its own epoch counter or shuffle state " \
+           "restarts it" in text
+    assert "state_dict() and load_state_dict(state) with no arguments" in text

@@ -157,6 +157,10 @@ class IndexStream:
             self._check_sampler_epoch(self.book.plan.state)  # before the plan is used up
         plan = self.book.begin(self)
         self.epoch = plan.epoch
+        adapter = self.book.adapter
+        if adapter is not None:  # a streaming library's dataset: its epoch, recorded now
+            adapter.started(carries=self.num_workers == 0 or (self.persistent and not fresh),
+                            previous_finished=previous is not None and previous.finished)
         self.finished = False
         self.batches_yielded = self.samples_yielded = 0
         self.frontier = self.prefix_samples = 0
@@ -253,7 +257,11 @@ class IndexStream:
             if self.ships_state:  # the workers go on round-robin where they were
                 self.first_worker = state["next_worker"] % max(1, self.num_workers)
             if self.is_iterable:
-                if has_worker_state(state):
+                if state.get("dataset_state") is not None:  # the library skips what was read
+                    self.first_worker = 0
+                    self.reread = state["dataset_state"].get("reread", 0)
+                    self._next_pos = self.batches_yielded - self.reread
+                elif has_worker_state(state):
                     self._next_pos = self.batches_yielded
                 else:  # no state to restore: read the consumed batches again, and drop them
                     self.first_worker = 0

@@ -34,10 +34,12 @@ The format (version 1), plain values only, so it survives ``json`` and
      "iterator_states": [state | None, ...] | None, # per worker: its iter(dataset)'s state
      "exhausted_workers": [int, ...],  # their stream ended with the last batch yielded
      "next_worker": int,
+     "dataset_state": {"library": str, "state": dict, "reread": int} | None,
+                                    # a streaming library's state: _streaming_adapters.py
      "next_epoch_global_rng": str | None}  # epoch_finished only: the global RNG at state_dict()
 
-``next_epoch_global_rng`` and ``iterator_states`` were added within version 1;
-a state without them loads as if they were None.
+``next_epoch_global_rng``, ``iterator_states`` and ``dataset_state`` were added
+within version 1; a state without them loads as if they were None.
 
 RNG states are base64 strings of the generators' byte states.  ``load_state_dict``
 checks everything it can up front (``_state_validation.py``) and raises
@@ -78,6 +80,7 @@ from torch.utils.data import IterableDataset
 from ._index_stream import IndexStream, StatefulResult, has_worker_state
 from ._rng import encode_rng
 from ._stateful import check
+from ._streaming_adapters import adapter_for
 from ._state_validation import KIND, VERSION, validate
 from .distributed import rank_and_world_size
 
@@ -115,6 +118,7 @@ class ResumeBook:
         self.plan = None      # set by load_state_dict, used by the next iter()
         self.loaded = None    # the state loaded, returned by state_dict() until then
         dataset = loader.dataset
+        self.adapter = adapter_for(dataset)  # mosaicml-streaming's, litdata's dataset
         iterable = isinstance(dataset, IterableDataset)
         try:
             length = None if iterable else len(dataset)
@@ -135,7 +139,7 @@ class ResumeBook:
         # state, not the live iteration (whose sampler iterator cannot be copied):
         # like torch's loader, the copy's next iter() starts an epoch.
         return {"live": None, "next_epoch": self.next_epoch, "plan": self.plan,
-                "loaded": self.loaded, "header": self.header}
+                "loaded": self.loaded, "header": self.header, "adapter": self.adapter}
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
@@ -167,7 +171,7 @@ def state_dict(loader) -> dict:
                      samples_yielded=0, out_of_order_yielded=[], base_seed=None,
                      draws_base_seed=True, epoch_start_rng=None, sampler_state=None,
                      worker_states=None, iterator_states=None, exhausted_workers=[],
-                     next_worker=0, next_epoch_global_rng=None)
+                     next_worker=0, next_epoch_global_rng=None, dataset_state=None)
         return state
     state["epoch"] = s.epoch
     state["epoch_finished"] = s.finished
@@ -187,6 +191,13 @@ def state_dict(loader) -> dict:
     # Only a finished epoch's state pays for the encoding; a state inside an epoch
     # replays that epoch from epoch_start_rng instead.
     state["next_epoch_global_rng"] = encode_rng(torch.get_rng_state()) if s.finished else None
+    state["dataset_state"] = None
+    adapter = book.adapter
+    if adapter is not None:  # asked for now, never per batch
+        library_state, reread = adapter.state(
+            s, loader.num_workers == 0 or bool(loader.persistent_workers), loader)
+        state["dataset_state"] = {"library": adapter.library, "state": library_state,
+                                  "reread": reread}
     return state
 
 
@@ -206,6 +217,8 @@ def load_state_dict(loader, state) -> None:
         loader._iterator = None
     epoch = state["epoch"]
     carries = loader.num_workers == 0 or probe.persistent  # the same dataset copies go on
+    if state["dataset_state"] is not None:  # validated: this loader has the same library
+        book.adapter.load(state["dataset_state"]["state"])
     probe.restore_sampler_epoch(state)
     if state["epoch_start_rng"] is None:  # saved before its epoch started
         plan = Plan(epoch)
@@ -216,21 +229,42 @@ def load_state_dict(loader, state) -> None:
                     base_seed=state["base_seed"] if probe.persistent else None,
                     worker_states=state["worker_states"] if carries else None,
                     global_rng=state["next_epoch_global_rng"])
+    elif probe.is_iterable and state["dataset_state"] is not None:
+        plan = Plan(epoch, state=state)
     elif probe.is_iterable and not has_worker_state(state):
         plan = Plan(epoch, state=state)
-        if state["batches_yielded"] > 0:
-            warnings.warn(
-                f"{type(loader.dataset).__name__} and the iterator its __iter__ returns have "
-                "no state_dict()/load_state_dict(), so resuming reads the "
-                f"{state['batches_yielded']} batches this epoch already yielded again and "
-                "drops them. Give the dataset (or its iterator) state_dict() and "
-                "load_state_dict() to resume without re-reading.", stacklevel=3)
     else:
         plan = Plan(epoch, state=state, worker_states=state["worker_states"],
                     exhausted=tuple(state["exhausted_workers"]),
                     iterator_states=state["iterator_states"])
+    _warn_stateless(loader, state, plan.epoch)
     book.plan, book.loaded, book.live = plan, state, None
     book.next_epoch = plan.epoch
+
+
+def _warn_stateless(loader, state: dict, epoch: int) -> None:
+    """One warning for an IterableDataset resumed without any state of its own."""
+    if not isinstance(loader.dataset, IterableDataset) or state["dataset_state"] is not None \
+            or has_worker_state(state):
+        return
+    reread = 0 if state["epoch_finished"] else state["batches_yielded"]
+    if reread == 0 and epoch == 0:
+        return  # the start of the first epoch: nothing to restore
+    name = type(loader.dataset).__name__
+    parts = [f"{name} and the iterator its __iter__ returns have no state_dict()/"
+             "load_state_dict() that can be called with no arguments, so torchfeed cannot "
+             "restore their own state."]
+    if reread:
+        parts.append(f"Resuming reads the {reread} batches this epoch already yielded again "
+                     "and drops them.")
+    if epoch > 0:
+        parts.append(f"The loader resumes in epoch {epoch}: a dataset that keeps its own "
+                     "epoch counter or shuffle state restarts it in the new process, so this "
+                     "epoch can come out in another order, repeating some samples and missing "
+                     "others.")
+    parts.append("Give the dataset (or its iterator) state_dict() and load_state_dict(state) "
+                 "with no arguments (torchdata's Stateful protocol) to resume exactly.")
+    warnings.warn(" ".join(parts), stacklevel=3)
 
 
 class StatefulUnpacker:

@@ -30,7 +30,8 @@ _FIELDS = {
     "world_size": _OPT_INT,
 }
 # Added within version 1: a state saved before they existed lacks them and still loads.
-_OPTIONAL_FIELDS = {"next_epoch_global_rng": "str or None", "iterator_states": "list or None"}
+_OPTIONAL_FIELDS = {"next_epoch_global_rng": "str or None", "iterator_states": "list or None",
+                    "dataset_state": "dict or None"}
 
 
 def _fail(message: str):
@@ -88,7 +89,18 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
             check_iterable_world_size(state["world_size"], header["world_size"])
         except ValueError as exc:
             _fail(f"field 'world_size': {exc}")
-    if iterable and state["num_workers"] != header["num_workers"]:
+    library = _check_dataset_state(state["dataset_state"], loader)
+    rereads = library and state["dataset_state"].get("reread", 0) > 0
+    if iterable and rereads and state["num_workers"] != header["num_workers"]:
+        _fail(f"field 'num_workers' is {state['num_workers']} in the state but "
+              f"{header['num_workers']} in this DataLoader; this {type(loader.dataset).__name__} "
+              "state resumes by reading the epoch's first batches again, which needs the same "
+              "num_workers")
+    if iterable and library:
+        # a streaming library resumes its own position, for any num_workers
+        state["worker_states"] = state["iterator_states"] = None
+        state["exhausted_workers"], state["next_worker"] = [], 0
+    elif iterable and state["num_workers"] != header["num_workers"]:
         _fail(f"field 'num_workers' is {state['num_workers']} in the state but "
               f"{header['num_workers']} in this DataLoader; an IterableDataset's stream is "
               "split across workers, so it resumes only with the same num_workers "
@@ -132,6 +144,25 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
     out = dict(state)
     out["out_of_order_yielded"] = [list(p) for p in pairs]
     return out
+
+
+def _check_dataset_state(saved, loader) -> bool:
+    """A streaming library's state (``_streaming_adapters.py``): the same library here."""
+    from ._state import ResumeBook
+
+    adapter = ResumeBook.of(loader).adapter
+    mine = adapter.library if adapter is not None else None
+    if saved is None:
+        return False  # nothing of the library's: the loader re-reads, and warns
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping):
+        _fail(f"field 'dataset_state' must be {{'library': str, 'state': dict}}, got {saved!r}")
+    reread = saved.get("reread", 0)
+    if isinstance(reread, bool) or not isinstance(reread, int) or reread < 0:
+        _fail(f"field 'dataset_state' has 'reread' {reread!r}; it must be an int >= 0")
+    if saved.get("library") != mine:
+        _fail(f"field 'dataset_state' holds a {saved.get('library')} dataset's state but this "
+              f"DataLoader's dataset is {type(loader.dataset).__name__}; use the same dataset")
+    return True
 
 
 def _check_worker_states(state: dict, slots: int, loader, probe: IndexStream) -> None:
