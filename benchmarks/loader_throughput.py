@@ -67,12 +67,16 @@ def main(argv=None):
 
         torch.set_num_threads(args.torch_threads)
     info = machine_info()
-    rows = run_sweep(args.workloads, args.loaders, args.num_workers, args.batches,
+    notes = [note for w in args.workloads if (note := WORKLOADS[w].skip_note())]
+    workloads = [w for w in args.workloads if WORKLOADS[w].skip_note() is None]
+    rows = run_sweep(workloads, args.loaders, args.num_workers, args.batches,
                      args.repeats, args.transport, progress=not args.no_progress)
     command = command_line()
     print(f"machine: {describe_machine(info)}\ncommand: {command}\n"
           f"median of {args.repeats} run(s) per row\n")
     print(format_sweep(rows))
+    for note in notes:
+        print(f"note: {note}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"command": command, "machine": info,

@@ -33,7 +33,7 @@ def test_bench_quick_prints_the_table_and_writes_json(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     proc = subprocess.run(
         [sys.executable, "-m", "torchfeed.bench", "--quick", "--workloads", "small",
-         "--num-workers", "1", "--batches", "3", "--json", str(out_json)],
+         "--num-workers", "1", "--batches", "3", "--peers", "none", "--json", str(out_json)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=80)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -42,7 +42,7 @@ def test_bench_quick_prints_the_table_and_writes_json(tmp_path):
     assert "main CPU us/batch (lower=better)" in out
     assert "machine: " in out and "torch " + torch.__version__ in out
     assert ("command: python -m torchfeed.bench --quick --workloads small --num-workers 1 "
-            "--batches 3 --json") in out
+            "--batches 3 --peers none --json") in out
     assert "vs num_workers=0, batches/s" in out and "torch@0" in out
     row = next(line for line in out.splitlines() if line.startswith("small "))
     # a ratio in each of the four torch-vs-torchfeed groups, two against num_workers=0

@@ -327,8 +327,8 @@ def _accelerate_shards(loader_class, num_workers):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_accelerate_prepare_data_loader_deals_the_same_shards(num_workers):
     """Accelerate reads torch's constructor arguments off the loader and wraps torch's
-    DataLoader in its own DataLoaderShard (so torchfeed's iterator is not used under
-    accelerator.prepare; the README says so).  What it deals must not change."""
+    DataLoader in its own DataLoaderShard (torchfeed.prepare puts torchfeed's back:
+    tests/test_frameworks.py).  What it deals must not change."""
     ours = _accelerate_shards(torchfeed.DataLoader, num_workers)
     assert ours == _accelerate_shards(TorchLoader, num_workers)
     # 5 batches over 2 processes, evened out by wrapping around to the start

@@ -260,9 +260,10 @@ def test_timeout_message_is_torchs(timeout):
                        timeout=timeout)
     elapsed = time.monotonic() - start
     assert type(ours) is RuntimeError
-    # torch's message, then what was awaited and where the stuck worker is
-    assert str(ours).startswith(f"DataLoader timed out after {timeout} seconds waiting for "
-                                "batch 2 (sample indices [2]) from worker 0")
+    # torch's message as the first line, then what was awaited and where the stuck worker is
+    first, second = str(ours).splitlines()[:2]
+    assert first == f"DataLoader timed out after {timeout} seconds"
+    assert second.startswith("It was waiting for batch 2 (sample indices [2]) from worker 0")
     assert "Python stacks of worker 0" in str(ours) and "in __getitem__" in str(ours)
     assert len(got) == 2
     assert timeout <= elapsed < timeout + 3
@@ -277,6 +278,9 @@ def test_timeout_not_hit_by_steady_workers():
 
 # -- workers that die --------------------------------------------------------------------------
 DEATHS = {"sigkill": "SIGKILL (9)", "segfault": "SIGSEGV (11)", "exit": "exited with code 3"}
+TORCH_DEATHS = {  # what torch's SIGCHLD handler says, then torchfeed's line
+    "sigkill": r"is killed by signal: Killed\. ", "segfault": r"is killed by signal: Segmentation fault\. ",
+    "exit": r"exited unexpectedly with exit code 3\. Details are lost due to multiprocessing\."}
 
 
 @pytest.mark.timeout(60)
@@ -294,10 +298,15 @@ def test_dead_worker_raises_runtime_error_naming_it(how):
             start = time.monotonic()
     assert time.monotonic() - start < 5, "noticed within seconds"
     message = str(info.value)
-    match = re.search(r"DataLoader worker (\d+) \(pid (\d+)\) exited unexpectedly", message)
+    first = message.splitlines()[0]
+    match = re.fullmatch(r"DataLoader worker \(pid\(s\) (\d+)\) exited unexpectedly", first)
     assert match, message
-    assert int(match.group(1)) == 1  # batch 5 went to worker 1, round-robin
-    assert int(match.group(2)) in pids
+    pid = int(match.group(1))
+    assert pid in pids
+    assert re.search(rf"^DataLoader worker \(pid {pid}\) {TORCH_DEATHS[how]}", message, re.M), message
+    match = re.search(r"^Worker (\d+) \(pid (\d+)\) ", message, re.M)
+    assert match and int(match.group(1)) == 1, message  # batch 5 went to worker 1, round-robin
+    assert int(match.group(2)) == pid
     assert DEATHS[how] in message
     assert "batch 5 (sample indices [5])" in message
     # Batches of the dead worker that had not been handed over yet are lost
@@ -340,8 +349,9 @@ def test_worker_killed_while_the_iterator_is_idle_is_reported_at_the_next_batch(
     traceback.clear_frames(info.value.__traceback__)
     assert time.monotonic() - start < 5, "noticed within seconds, not at the epoch's end"
     message = str(info.value)
-    assert (f"DataLoader worker 1 (pid {pid}) exited unexpectedly: it was killed by signal "
-            "SIGKILL (9)") in message, message
+    assert message.startswith(f"DataLoader worker (pid(s) {pid}) exited unexpectedly\n"
+                              f"DataLoader worker (pid {pid}) is killed by signal: Killed. \n"
+                              f"Worker 1 (pid {pid}) was killed by signal SIGKILL (9)."), message
     assert len(got) < 40  # the epoch (40 batches) did not run to its end
     del it, info, got  # held batches keep their slots (and fds) alive
     before.wait_clean(within=3)  # worker 0 was shut down too
@@ -384,5 +394,5 @@ def test_dead_worker_without_batching_names_the_index():
     with pytest.raises(RuntimeError) as info:
         list(torchfeed.DataLoader(DyingDataset("exit", n=8, bad=3), batch_size=None,
                                   num_workers=2))
-    assert "DataLoader worker 1" in str(info.value), info.value
+    assert "\nWorker 1 (pid " in str(info.value), info.value
     assert "batch 3 (sample indices [3])" in str(info.value)

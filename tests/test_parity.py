@@ -254,14 +254,14 @@ def test_default_collate_error_same_type(num_workers):
     if num_workers == 0:  # raised in this process, by the same default_collate
         assert ours == theirs
         return
-    # From a worker: torch's wording, then ours adds the batch and its samples; the
-    # traceback's frames differ (the worker loops are not the same code), its
-    # last line, the original error, does not.
+    # From a worker: torch's first line, word for word, then ours adds a line with
+    # the batch and its samples; the traceback's frames differ (the worker loops
+    # are not the same code), its last line, the original error, does not.
     theirs_lines, ours_lines = theirs.rstrip().splitlines(), ours.rstrip().splitlines()
     assert theirs_lines[0] == "Caught TypeError in DataLoader worker process 0.", theirs
-    assert ours_lines[0] == theirs_lines[0][:-1] + \
-        " while fetching batch 0 (sample indices [0, 1]).", ours
-    assert ours_lines[1] == theirs_lines[1] == "Original Traceback (most recent call last):"
+    assert ours_lines[0] == theirs_lines[0], ours
+    assert ours_lines[1] == "It was raised while fetching batch 0 (sample indices [0, 1]).", ours
+    assert ours_lines[2] == theirs_lines[1] == "Original Traceback (most recent call last):"
     assert ours_lines[-1] == theirs_lines[-1], (ours, theirs)
 
 

@@ -123,7 +123,15 @@ def test_round_trip_every_leaf_type_and_nesting(method):
             assert img.untyped_storage().nbytes() == img.nbytes
             assert in_slot(batch["torch"]["torch.bfloat16"].data_ptr(), ranges)
             assert in_slot(batch["numpy"][0].__array_interface__["data"][0], ranges)
-            assert batch["noncontig"][0].is_contiguous()
+            # Layout and aliasing as torch's reductions keep them: strides and
+            # offsets, one storage for two views of it, Fortran order for numpy.
+            nc, want = batch["noncontig"], h.every_leaf(i)["noncontig"]
+            for got_t, want_t in zip(nc[:3], want[:3]):
+                assert got_t.stride() == want_t.stride(), got_t
+                assert got_t.storage_offset() == want_t.storage_offset(), got_t
+            assert nc[0].untyped_storage().data_ptr() == nc[1].untyped_storage().data_ptr()
+            assert nc[2].untyped_storage().nbytes() == 16  # expand() stays small
+            assert nc[4].flags.f_contiguous and not nc[4].flags.c_contiguous
             # Tensors that cannot live in a slot keep torch's semantics.
             assert type(batch["special"][1]) is torch.nn.Parameter
             assert batch["special"][2].requires_grad

@@ -108,6 +108,19 @@ def test_loader_arguments_other_batching_modes():
 
 
 @pytest.mark.timeout(60)
+def test_import_torchfeed_loads_neither_the_tuner_nor_the_bench():
+    # Every spawned worker imports torchfeed: the bench (and what it pulls in)
+    # must load only when torchfeed.tune is first used.
+    probe = ("import sys, torchfeed\n"
+             "print(sorted(m for m in sys.modules if m.startswith(('torchfeed.bench', 'torchfeed._tuner'))))\n"
+             "torchfeed.tune\n"
+             "print('torchfeed._tuner' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50,
+                         check=True).stdout.split("\n")
+    assert out[0] == "[]" and out[1] == "True"
+
+
+@pytest.mark.timeout(60)
 def test_torchfeed_tune_stays_callable_after_the_cli_is_imported():
     # Importing the torchfeed.tune package rebinds the name torchfeed.tune from
     # the function to the package; the package must then work as the function.

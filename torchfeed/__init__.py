@@ -7,9 +7,9 @@ Everything public is re-exported here; the modules behind it are private.
 from torch.utils.data import default_collate, default_convert, get_worker_info
 from torch.utils.data._utils.worker import WorkerInfo
 
-from ._tuner import tune
 from .dataloader import DataLoader
 from .distributed import DistributedSampler
+from .frameworks import prepare
 
 __all__ = [
     "DataLoader",
@@ -18,6 +18,17 @@ __all__ = [
     "default_collate",
     "default_convert",
     "get_worker_info",
+    "prepare",
     "tune",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The tuner times loaders through the bench, so importing it eagerly
+    # would load torchfeed.bench into every program and every spawned worker.
+    if name == "tune":
+        from ._tuner import tune
+
+        return tune
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

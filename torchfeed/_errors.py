@@ -85,19 +85,25 @@ class WorkerFailure:
         return self
 
     def message(self) -> str:
+        """torch's ``ExceptionWrapper`` message, word for word ("Caught X in
+        DataLoader worker process k." then "Original Traceback ..."), with one
+        line of torchfeed's between them: the batch and its sample indices."""
         if self.worker_id < 0:  # raised in the main process's own threads
             return f"Caught {self.exc_name} in {self.where}.\nOriginal {self.traceback}"
-        context = f"in DataLoader worker process {self.worker_id}"
-        if self.batch_index is not None:
-            if self.in_setup:
-                context += f" in {self.where}, so it could not load batch {self.batch_index}"
-            else:
-                context += f" while {self.where} batch {self.batch_index}"
-            if self.indices is not None and any(i is not None for i in self.indices):
-                context += f" (sample indices {_format_indices(self.indices)})"
+        head = f"Caught {self.exc_name} in DataLoader worker process {self.worker_id}."
+        samples = ""
+        if self.indices is not None and any(i is not None for i in self.indices):
+            samples = f" (sample indices {_format_indices(self.indices)})"
+        if self.batch_index is not None and self.in_setup:
+            detail = (f"It was raised in {self.where}, so it could not load batch "
+                      f"{self.batch_index}{samples}.")
+        elif self.batch_index is not None:
+            detail = f"It was raised while {self.where} batch {self.batch_index}{samples}."
         elif self.where:
-            context += f" in {self.where}"
-        return f"Caught {self.exc_name} {context}.\nOriginal {self.traceback}"
+            detail = f"It was raised in {self.where}."
+        else:
+            return f"{head}\nOriginal {self.traceback}"
+        return f"{head}\n{detail}\nOriginal {self.traceback}"
 
     def reraise(self):
         msg = self.message()
@@ -175,37 +181,36 @@ def _as_int(index):
 
 def explain_lookup_error(exc: LookupError, dataset, index, batched: bool = False) -> None:
     """Add a note naming the index and ``len(dataset)`` to an IndexError or
-    KeyError raised by the dataset: the two usual causes are a sampler that
-    yields indices out of range and a ``__len__`` that promises more samples
-    than ``__getitem__`` serves.  The exception's type and message are kept."""
+    KeyError raised by the dataset, when the sampler asked for an index out of
+    ``range(len(dataset))``: a sampler (or batch_sampler) that yields indices
+    out of range is the usual cause.  An index in range gets no note: the
+    lookup that failed may be the dataset's own (a dict inside
+    ``__getitem__``), which says nothing about the sampler or ``__len__``.
+    The exception's type and message are kept."""
     try:
         n = len(dataset)
     except Exception:
         return
-    if batched:
-        bad = [i for i in map(_as_int, index) if i is not None and not -n <= i < n]
-        if bad:
-            add_note(exc, f"The sampler asked for index {bad[0]}, but len(dataset) is {n}: "
-                         f"out of range ({len(bad)} such in this batch). Check the sampler "
-                         f"(or batch_sampler): it must yield indices in [0, {n}).")
+    if not isinstance(n, int):
         return
-    i = _as_int(index)
-    if i is None:
+    indices = index if batched else [index]
+    try:
+        bad = [i for i in map(_as_int, indices) if i is not None and not -n <= i < n]
+    except TypeError:  # a batch of keys that is not a sequence
         return
-    if not -n <= i < n:
-        add_note(exc, f"The sampler asked for index {i}, but len(dataset) is {n}: out of "
-                     f"range. Check the sampler (or batch_sampler): it must yield indices in "
-                     f"[0, {n}).")
-    else:
-        add_note(exc, f"dataset[{i}] raised {type(exc).__name__}, but len(dataset) is {n}, so "
-                     f"index {i} should exist. Does __len__ promise more samples than "
-                     f"__getitem__ can serve?")
+    if not bad:
+        return
+    many = f" ({len(bad)} such in this batch)" if batched else ""
+    add_note(exc, f"The sampler asked for index {bad[0]}, but len(dataset) is {n}: out of "
+                 f"range{many}. Check the sampler (or batch_sampler): it must yield indices "
+                 f"in [0, {n}).")
 
 
-def nested_worker_error(num_workers: int) -> RuntimeError | None:
+def nested_worker_error(num_workers: int) -> AssertionError | None:
     """A loader with workers, iterated in a process that cannot have children
-    (a DataLoader worker is daemonic): torch fails with "daemonic processes are
-    not allowed to have children"; say what to do instead."""
+    (a DataLoader worker is daemonic): torch fails with multiprocessing's
+    AssertionError, "daemonic processes are not allowed to have children";
+    keep it, and say what to do instead."""
     import multiprocessing
     from torch.utils.data import get_worker_info
 
@@ -214,11 +219,11 @@ def nested_worker_error(num_workers: int) -> RuntimeError | None:
     info = get_worker_info()
     where = (f"DataLoader worker process {info.id} of another loader" if info is not None
              else "a daemonic process")
-    return RuntimeError(
+    return AssertionError(
+        "daemonic processes are not allowed to have children\n"
         f"This DataLoader has num_workers={num_workers}, but it is iterated inside {where}, "
-        "which cannot start processes of its own (daemonic processes are not allowed to have "
-        "children). Give the inner loader num_workers=0: it then loads in this worker, which "
-        "already runs in parallel with the others.")
+        "which cannot start processes of its own. Give the inner loader num_workers=0: it then "
+        "loads in this worker, which already runs in parallel with the others.")
 
 
 _SIGNAL_HINTS = {
@@ -257,11 +262,41 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+def torch_exit_sentence(pid, exitcode: int | None) -> str | None:
+    """What torch's SIGCHLD handler (``_error_if_any_worker_fails``) says of a
+    worker that died: a signal, or an exit code other than 0."""
+    if exitcode is None or exitcode == 0:
+        return None
+    if exitcode > 0:
+        return (f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. "
+                "Details are lost due to multiprocessing. Rerunning with num_workers=0 may give "
+                "better error trace.")
+    try:
+        name = signal.strsignal(-exitcode) or f"Unknown signal {-exitcode}"
+    except ValueError:
+        name = f"Unknown signal {-exitcode}"
+    sentence = f"DataLoader worker (pid {pid}) is killed by signal: {name}. "
+    if -exitcode == signal.SIGBUS:
+        sentence += ("It is possible that dataloader's workers are out of shared memory. "
+                     "Please try to raise your shared memory limit.")
+    return sentence
+
+
 def describe_dead_worker(worker_id: int, pid: int | None, exitcode: int | None,
-                         in_flight: list[tuple[int, object]]) -> str:
-    """The message for a worker that died without reporting an error."""
-    lines = [f"DataLoader worker {worker_id} (pid {pid}) exited unexpectedly: it "
-             f"{describe_exit(exitcode)}."]
+                         in_flight: list[tuple[int, object]], dead_pids=None) -> str:
+    """The message for a worker that died without reporting an error.
+
+    torch's words first: its iterator's sentence, "DataLoader worker (pid(s)
+    P) exited unexpectedly" (``dead_pids``: every worker found dead, in worker
+    order), then the sentence of its SIGCHLD handler (a signal, or an exit
+    code), which torch chains as the cause.  Then torchfeed's: which worker,
+    the signal's name, the batches it had in flight, and a hint."""
+    pids = ", ".join(str(p) for p in (dead_pids or [pid]))
+    lines = [f"DataLoader worker (pid(s) {pids}) exited unexpectedly"]
+    sentence = torch_exit_sentence(pid, exitcode)
+    if sentence:
+        lines.append(sentence)
+    lines.append(f"Worker {worker_id} (pid {pid}) {describe_exit(exitcode)}.")
     if in_flight:
         shown = "; ".join(f"batch {b} ({describe_samples(ix)})" for b, ix in in_flight[:4])
         more = f"; and {len(in_flight) - 4} more" if len(in_flight) > 4 else ""

@@ -86,6 +86,7 @@ class IterableFetcher:
         self._iterator = None
         self._iterator_state = iterator_state  # a resume's, loaded right after iter()
         self.ended = False
+        self.last_size = None  # samples in the latest batch when it came up short, else None
         self._lazy = takes_sample_stream(collate_fn)
 
     @property
@@ -120,6 +121,7 @@ class IterableFetcher:
             self.ended = True
             raise
         short = False
+        self.last_size = None
 
         def items(first):
             nonlocal short
@@ -131,6 +133,7 @@ class IterableFetcher:
                     sample = next(stream)  # never iter(stream) again: see the module doc
                 except StopIteration:
                     short = True
+                    self.last_size = taken  # the batch is padded to n in no count
                     return
                 taken += 1
                 yield sample

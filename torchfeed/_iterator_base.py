@@ -17,6 +17,7 @@ from time import perf_counter
 import torch
 from torch.utils.data import IterableDataset
 
+from ._datapipes import seed_graph
 from ._index_stream import IndexStream
 from ._stats import IteratorStats
 
@@ -85,6 +86,8 @@ class BaseIterator:
     def _start_stream(self, fresh: bool = False) -> None:
         self._stream.start(fresh)
         self._epoch = self._stream.epoch  # the loader's epoch: keys per-batch seeds
+        # An IterDataPipe is seeded in the main process too, as torch does.
+        self._dataset = seed_graph(self._dataset, self._stream.shared_seed)
         self._num_yielded = self._stream.batches_yielded
 
     def _next_index(self):

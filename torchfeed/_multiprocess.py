@@ -63,6 +63,14 @@ class MultiProcessIterator(BaseIterator):
     def __init__(self, loader) -> None:
         super().__init__(loader)
         self._prefetch_factor = loader.prefetch_factor
+        if self._prefetch_factor <= 0:
+            # torch's constructor lets 0 through and its iterator refuses it,
+            # after drawing the base seed, as here.
+            raise AssertionError(
+                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter\n"
+                f"prefetch_factor={self._prefetch_factor} would send no batch to the "
+                f"{self._num_workers} workers. Use prefetch_factor=1 or more (torch's "
+                "default is 2).")
         self._in_order = loader.in_order
         self._workers = []
         self._workers_status = []  # per worker: False once its iterable has ended
@@ -75,7 +83,7 @@ class MultiProcessIterator(BaseIterator):
         self._result_queue = ctx.Queue()
         self._channel = create_channel(self._num_workers, ctx, loader)
         self._unpacker = self._channel.unpacker()
-        if self._stream.ships_state:
+        if self._is_iterable:  # batches may come with a dataset state or a short count
             self._unpacker = StatefulUnpacker(self._unpacker)
         self._receiver = ResultReceiver(self._result_queue, self._unpacker, self._stats,
                                         self._workers, self._workers_status)
@@ -86,7 +94,7 @@ class MultiProcessIterator(BaseIterator):
             worker_init_fn=loader.worker_init_fn, num_workers=self._num_workers,
             epoch=self._epoch, seed_per_batch=getattr(loader, "seed_per_batch", False),
             main_pid=os.getpid(), resume_states=self._stream.load_states,
-            ships_state=self._stream.ships_state)
+            ships_state=self._stream.ships_state, shared_seed=self._stream.shared_seed)
         self._spec = spec
         _live_iterators.add(self)
         try:
@@ -116,7 +124,8 @@ class MultiProcessIterator(BaseIterator):
     def _replace_worker(self, worker_id: int, owed):
         """Start a new process as worker ``worker_id`` (see ``_restart.py``) and
         send it the tasks ``owed``: ``[(send_idx, (worker_id, batch_index, indices))]``."""
-        spec = dataclasses.replace(self._spec, epoch=self._epoch)
+        spec = dataclasses.replace(self._spec, epoch=self._epoch,
+                                   shared_seed=self._stream.shared_seed)
         index_queue, stack_pipe, process = launch_worker(self._ctx, spec, worker_id,
                                                          self._result_queue, self._channel)
         self._index_queues[worker_id].close()
@@ -125,7 +134,7 @@ class MultiProcessIterator(BaseIterator):
         self._stack_pipes[worker_id] = stack_pipe
         self._workers[worker_id] = process
         if worker_id in self._acks_pending:
-            index_queue.put(ResumeIteration(self._epoch))
+            index_queue.put(ResumeIteration(self._epoch, self._stream.shared_seed))
         for send_idx, (_, batch_index, indices) in owed:
             index_queue.put(Task(send_idx, batch_index, indices))
         if self._pin_thread is not None:
@@ -148,7 +157,7 @@ class MultiProcessIterator(BaseIterator):
         if not first_iter:
             self._acks_pending = set(range(self._num_workers))
             for index_queue in self._index_queues:
-                index_queue.put(ResumeIteration(self._epoch))
+                index_queue.put(ResumeIteration(self._epoch, self._stream.shared_seed))
             while self._acks_pending:
                 # Results of the previous epoch that were still in flight
                 # arrive before each worker's acknowledgement; drop them.
@@ -193,7 +202,11 @@ class MultiProcessIterator(BaseIterator):
         process.join(timeout=0.5)  # reap it, so exitcode is known
         in_flight = [(batch, idx) for send, (wid, batch, idx) in sorted(self._task_info.items())
                      if wid == worker_id and send not in self._arrived]
-        message = describe_dead_worker(worker_id, process.pid, process.exitcode, in_flight)
+        # torch's sentence names every worker it finds dead, in worker order.
+        dead_pids = [w.pid for i, w in enumerate(self._workers)
+                     if i == worker_id or (self._workers_status[i] and not w.is_alive())]
+        message = describe_dead_worker(worker_id, process.pid, process.exitcode, in_flight,
+                                       dead_pids)
         if note:
             message += "\n" + note
         self._shutdown_workers()
@@ -309,6 +322,7 @@ class MultiProcessIterator(BaseIterator):
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
         if isinstance(data, WorkerFailure):
+            self._stream.record_failure(batch_index, indices, worker_id)
             data.reraise()
         return self._stream.yielded(data, batch_index, indices, worker_id)
 

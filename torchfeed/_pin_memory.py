@@ -102,7 +102,8 @@ class PinMemoryThread:
                 try:
                     batch = pin_memory(batch, self._device)
                 except Exception as exc:
-                    batch = WorkerFailure(exc, -1, f"the pin-memory thread for device {self._device}")
+                    batch = WorkerFailure(  # torch's words: "Caught X in pin memory thread for device 0."
+                        exc, -1, f"pin memory thread for device {self._device_index}")
                 self.busy_seconds += time.perf_counter() - start
             self.out.put(("data", (send_idx, batch)))
             del batch, item

@@ -8,12 +8,50 @@ as torch's sequential joins can take.  Index queues have
 exit, and are closed and joined with a bound.  Workers also watch the main
 process themselves (see ``_worker.py``), so a main process that is SIGKILLed
 leaves nothing behind.
+
+NOTE [ The collector and fork ]
+A forked worker inherits the parent's heap and its GC counters.  Left alone,
+the worker's first full collection walks every object it inherited: time
+(0.5 s and more for a heap of a million dicts), and a write to each object's
+GC header, which turns every page of the parent's heap into a private copy
+in every worker.  CPython's remedy for fork without exec is ``gc.freeze()``
+(see the ``gc`` docs): the worker moves what it inherited into the permanent
+generation, which no collection visits, before its first collection.  Nothing
+may collect in between, so the collector is paused in the parent for the few
+milliseconds of ``Process.start()`` (a fork inherits it paused) and the
+worker turns it back on right after freezing (``_worker.settle_heap``).
+Freezing is O(1) (a list splice), and the parent's own objects and frozen set
+are left as they are.  Objects the worker creates itself are collected as
+usual.  Under forkserver the worker is forked from the server, whose heap
+(torch, preloaded modules) is shared the same way, so it freezes too.
+
+NOTE [ Forkserver preload ]
+Under forkserver each worker is forked from one server process, which by
+default has imported only ``__main__``: every worker then imports torch again
+(about a second), at every epoch without persistent workers.  When the first
+worker is about to start the server, torch, torchfeed and the module that
+defines the dataset join the server's preload list (after whatever the user
+put there), so workers are forked with them already imported.  The server is
+one per process whatever context object the user passed (the string or the
+object: the context's meaning is unchanged); its list is put back once it
+runs, and a server already running is left as it is.  The dataset's module is
+added only where the server would import that same file (``_server_finds``);
+``__main__`` is the server's own default where it has a file (an interactive
+``__main__`` has none: nothing to preload, today's behaviour).
 """
 from __future__ import annotations
 
+import gc
+import importlib.machinery
+import multiprocessing.forkserver
+import os
 import pickle
+import site
+import sys
 import threading
 import time
+import warnings
+import weakref
 
 from ._index_queue import IndexQueue
 from ._pickling import describe_unpicklable
@@ -21,6 +59,20 @@ from ._stack_dump import StackPipe
 from ._worker import WorkerSpec, worker_loop
 
 SHUTDOWN_GRACE = 1.0  # seconds all workers share to exit before termination
+
+# When each worker process was launched (time.monotonic()), for stats().
+_launched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# One start at a time pauses the collector, so two threads starting workers
+# cannot disagree about whether it was on (NOTE [ The collector and fork ]).
+_gc_pause_lock = threading.Lock()
+
+_TORCH_PICKLE_WARNING = (  # torch's, word for word
+    "Got pickle error when attempting to start a worker Process. "
+    "This might be because the worker Process arguments are not picklable. "
+    "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
+    "to 'forkserver', which requires the worker Process arguments to be picklable. "
+    "You can also try multiprocessing.set_start_method('fork').")
 
 
 def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
@@ -30,22 +82,43 @@ def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
     worker_init_fn are pickled; when one cannot be, the error names it."""
     index_queue = IndexQueue(ctx)
     stack_pipe = StackPipe(ctx)
-    process = ctx.Process(target=worker_loop, name=f"torchfeed-worker-{worker_id}",
-                          args=(spec, worker_id, index_queue.queue, result_queue, channel),
-                          kwargs={"stack_pipe": stack_pipe.writer}, daemon=True)
+    method = ctx.get_start_method() if hasattr(ctx, "get_start_method") else "?"
     try:
-        process.start()
+        with _gc_pause_lock:
+            # A forked child inherits the pause and ends it once it has frozen
+            # what it inherited; other methods start with the collector on.
+            gc_enabled = gc.isenabled()
+            launched_at = time.monotonic()
+            process = ctx.Process(target=worker_loop, name=f"torchfeed-worker-{worker_id}",
+                                  args=(spec, worker_id, index_queue.queue, result_queue, channel),
+                                  kwargs={"stack_pipe": stack_pipe.writer,
+                                          "enable_gc": gc_enabled and method == "fork",
+                                          "launched_at": launched_at},
+                                  daemon=True)
+            if method == "fork":
+                gc.disable()
+            preloaded = _preload_forkserver(spec.dataset) if method == "forkserver" else None
+            try:
+                process.start()
+            finally:
+                if gc_enabled:
+                    gc.enable()
+                if preloaded is not None:
+                    _forkserver().set_forkserver_preload(preloaded)
     except (TypeError, AttributeError, pickle.PicklingError) as exc:
         index_queue.close()
         stack_pipe.close()
-        method = ctx.get_start_method() if hasattr(ctx, "get_start_method") else "?"
         parts = {"dataset": spec.dataset, "collate_fn": spec.collate_fn,
                  "worker_init_fn": spec.worker_init_fn}
         culprits = [f"{name}: {describe_unpicklable(value).replace('batch', name, 1)}"
                     for name, value in parts.items()
                     if value is not None and _unpicklable(value)]
         detail = "; ".join(culprits) or str(exc)
+        # torch warns, then re-raises pickle's own error: keep both, with
+        # pickle's sentence as the first line and what to do after it.
+        warnings.warn(_TORCH_PICKLE_WARNING, stacklevel=5)
         raise type(exc)(
+            f"{exc}\n"
             f"DataLoader could not start worker {worker_id} with the '{method}' start "
             f"method, which pickles the dataset, collate_fn and worker_init_fn: {detail}. "
             "Define them at module level (no lambdas or local functions), or use "
@@ -55,7 +128,76 @@ def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
         stack_pipe.close()
         raise
     stack_pipe.started()
+    _launched[process] = launched_at
     return index_queue, stack_pipe, process
+
+
+def launched_at(process) -> float | None:
+    """When ``launch_worker`` started ``process`` (``time.monotonic()``)."""
+    try:
+        return _launched.get(process)
+    except TypeError:
+        return None
+
+
+def _forkserver():
+    return multiprocessing.forkserver._forkserver
+
+
+def _preload_forkserver(dataset):
+    """Add torch, torchfeed and the dataset's module to the preload list of a
+    fork server about to start (NOTE [ Forkserver preload ]); the user's list, to
+    put back once it runs, or None where there is nothing to do."""
+    server = _forkserver()
+    if getattr(server, "_forkserver_pid", 0) is not None:
+        return None  # running already, or a Python whose server we do not know
+    user_list = list(getattr(server, "_preload_modules", None) or [])
+    ours = ["torch", "torchfeed"] + _defining_modules(dataset)
+    server.set_forkserver_preload(user_list + [m for m in ours if m not in user_list])
+    return user_list
+
+
+def _defining_modules(dataset) -> list[str]:
+    """The module that defines the dataset's class (and, for a wrapper such as
+    torch's Subset, the wrapped dataset's), where the server would import
+    that very file."""
+    found = []
+    for obj in (dataset, getattr(dataset, "dataset", None)):
+        name = getattr(type(obj), "__module__", None) if obj is not None else None
+        if (isinstance(name, str) and name not in found and name != "__main__"
+                and not name.startswith(("torch.", "torchfeed.")) and _server_finds(name)):
+            found.append(name)
+    return found
+
+
+def _server_finds(name: str) -> bool:
+    """Whether a fork server would import the same file for module ``name``.
+
+    The server is a fresh interpreter: its path is the working directory,
+    PYTHONPATH and the installation's own folders, not what this process added
+    to ``sys.path`` at run time (Python 3.11 ignores the path it is sent).  A
+    module found only through such an addition would fail to import there, and
+    one whose name another file on the server's path shadows (a local
+    ``datasets.py`` and the ``datasets`` package) would be the wrong module in
+    every worker: neither is preloaded."""
+    top = sys.modules.get(name.partition(".")[0])
+    origin = getattr(getattr(top, "__spec__", None), "origin", None)
+    if not origin or not os.path.isfile(origin):
+        return False  # built at run time, a namespace package, or a frozen module
+    folder = os.path.dirname(origin)
+    if getattr(top.__spec__, "submodule_search_locations", None) is not None:
+        folder = os.path.dirname(folder)  # a package: its parent folder is on the path
+    pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    roots = [os.getcwd(), *pythonpath]
+    try:
+        roots += [*site.getsitepackages(), site.getusersitepackages()]
+    except AttributeError:  # an old virtualenv's site module
+        pass
+    real = os.path.realpath
+    if real(folder) not in {real(r) for r in roots}:
+        return False
+    spec = importlib.machinery.PathFinder.find_spec(top.__name__, [os.getcwd(), *pythonpath, *sys.path])
+    return spec is not None and spec.origin is not None and real(spec.origin) == real(origin)
 
 
 def stop_workers(workers, index_queues) -> None:

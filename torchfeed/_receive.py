@@ -94,7 +94,10 @@ class ResultReceiver:
         sem = getattr(self.result_queue, "_sem", None)
         if sem is not None:
             sem.release()  # what Queue.get does: the queue's size bound
-        send_idx, worker_id, blob, seconds = pickle.loads(raw)
+        message = pickle.loads(raw)
+        send_idx, worker_id, blob, seconds = message[:4]
+        if len(message) > 4:  # a worker's first message: when it started, its memory then
+            self.stats.on_started(worker_id, *message[4:])
         if blob is None:
             return send_idx, worker_id
         try:

@@ -32,7 +32,9 @@ whole message in the pipe is read; those the main process can rebuild are kept
 tensors' file descriptors from their sender, which is gone) are dropped.  The
 tasks the dead worker owed and whose answers are neither kept nor already
 received are re-sent, on a fresh index queue, so no task reaches the
-replacement twice and no answer arrives twice.
+replacement twice and no answer arrives twice.  The replacement writes its
+batches to a fresh shared-memory arena (``ShmChannel.renew``), so batches of
+the dead worker that the user still holds stay intact.
 """
 from __future__ import annotations
 
@@ -112,6 +114,10 @@ def _restart(it, worker_id: int, process) -> None:
             if task[0] == worker_id and send_idx not in it._arrived
             and send_idx not in {item[0] for item in it._receiver.pending}]
     count = it._restarts.record(worker_id, process.pid, process.exitcode)
+    # Every whole message of the dead worker has been rebuilt (``_drain``); its
+    # slots may still hold batches the user keeps, so the replacement writes to
+    # a fresh arena.
+    it._channel.renew(worker_id)
     new = it._replace_worker(worker_id, owed)
     batches = ", ".join(str(task[1]) for _, task in owed) or "none"
     warnings.warn(

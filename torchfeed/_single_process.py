@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from . import _seeding
+from ._datapipes import shard_graph
 from ._fetch import create_fetcher
 from ._index_stream import NO_STATE
 from ._iterator_base import BaseIterator
@@ -28,10 +29,12 @@ class SingleProcessIterator(BaseIterator):
             # torch accepts the argument and fails here, with an AssertionError,
             # after drawing the base seed; keep the type and the RNG draw.
             raise AssertionError(
+                "_SingleProcessDataLoaderIter requires timeout == 0\n"
                 f"timeout={self._timeout} needs worker processes: a DataLoader with "
                 "num_workers=0 loads in the calling thread and cannot time out. Set "
                 "timeout=0, or num_workers > 0.")
         self._seed_per_batch = getattr(loader, "seed_per_batch", False)
+        shard_graph(self._dataset, 0, 0)  # a DataPipe: this rank's share, as torch does
         self._make_fetcher()
 
     def _make_fetcher(self) -> None:
@@ -82,11 +85,15 @@ class SingleProcessIterator(BaseIterator):
             if self._taker is not None:  # the state its end left the dataset in
                 self._stream.worker_ended(0, take_state(self._taker, self._fetcher))
             raise
+        except Exception:
+            self._stream.record_failure(batch_index, indices)
+            raise
         state, ended = NO_STATE, False
         if self._taker is not None:  # the dataset's and its iterator's state after this batch
             state = take_state(self._taker, self._fetcher)
             ended = getattr(self._fetcher, "ended", False)
         if self._pin_memory:
             data = pin_memory(data, self._pin_memory_device)
-        self._stream.record_yield(batch_index, indices, 0, state, ended)
+        samples = self._fetcher.last_size if self._is_iterable else None
+        self._stream.record_yield(batch_index, indices, 0, state, ended, samples)
         return data

@@ -7,6 +7,13 @@ write end of a pipe the main process made for it.  When ``timeout`` expires the
 main process signals the workers that owe the awaited batch, reads their dumps
 from the pipes and puts them in the error.
 
+A worker that has not installed its handler yet (it is still importing torch
+under spawn, say) must not be signalled: SIGUSR1's default action would kill
+it.  So a worker writes one byte, ``READY``, into its pipe right after the
+handler is in place, and the main process signals only workers whose byte it
+has read; the others are reported as still starting.  Every read is bounded by
+a deadline, and a pipe at EOF (its worker is gone) means "no dump".
+
 faulthandler's handler is a C signal handler: it dumps the stacks even while
 the worker is blocked in a system call or in native code, or holds the GIL in
 a loop.  A pipe, not a file, carries the dump, so nothing is left on disk;
@@ -23,6 +30,8 @@ DUMP_SIGNAL = signal.SIGUSR1
 FIRST_BYTE_WAIT = 1.0  # how long a signalled worker has to start its dump
 QUIET = 0.1            # a dump is complete once its pipe has been quiet this long
 MAX_DUMP = 1 << 16     # the pipe's own capacity: faulthandler never writes more
+READY = b"\0"          # a worker's first byte: its handler is installed
+STARTING = "starting"  # collect_dumps' answer for a worker not yet ready
 
 _installed = None  # the worker's write end, kept alive while faulthandler uses its fd
 
@@ -32,6 +41,7 @@ class StackPipe:
 
     def __init__(self, ctx) -> None:
         self.reader, self.writer = ctx.Pipe(duplex=False)
+        self.ready = False  # the worker has said its handler is installed
 
     def started(self) -> None:
         """The worker has its copy of the write end; the main needs none."""
@@ -41,18 +51,29 @@ class StackPipe:
         self.reader.close()
         self.writer.close()
 
-    def _drain(self) -> bytes:
+    def _drain(self) -> tuple[bytes, bool]:
+        """What the pipe holds now, without waiting, and whether it is at EOF."""
         out = b""
         fd = self.reader.fileno()
         while len(out) < MAX_DUMP and self.reader.poll(0):
-            chunk = os.read(fd, MAX_DUMP)
+            try:
+                chunk = os.read(fd, MAX_DUMP)
+            except OSError:
+                return out, True
             if not chunk:
-                break
+                return out, True
             out += chunk
-        return out
+        return out, False
 
     def request(self, pid: int) -> bool:
-        self._drain()  # whatever an earlier request left behind
+        """Signal the worker to dump its stacks; False if it is not ready for
+        that (or gone).  Whatever the pipe holds (the ready byte, the rest of
+        an earlier dump) is read first, so the answer starts clean."""
+        data, eof = self._drain()
+        if READY in data:
+            self.ready = True
+        if not self.ready or eof:
+            return False
         try:
             os.kill(pid, DUMP_SIGNAL)
             return True
@@ -60,15 +81,20 @@ class StackPipe:
             return False
 
     def collect(self, deadline: float) -> str | None:
-        """The dump that ``request`` asked for, or None if none came by ``deadline``."""
+        """The dump that ``request`` asked for, or None if none began by
+        ``deadline``.  Once it has begun it is read until the pipe is quiet
+        for ``QUIET`` or at EOF, and never past ``deadline + FIRST_BYTE_WAIT``."""
         if not self.reader.poll(max(0.0, deadline - time.monotonic())):
             return None
+        hard_deadline = deadline + FIRST_BYTE_WAIT
         out = b""
         while True:
-            out += self._drain()
-            if len(out) >= MAX_DUMP or not self.reader.poll(QUIET):
+            data, eof = self._drain()
+            out += data
+            left = hard_deadline - time.monotonic()
+            if eof or len(out) >= MAX_DUMP or left <= 0 or not self.reader.poll(min(QUIET, left)):
                 break
-        return out.decode("utf-8", "replace")
+        return out.decode("utf-8", "replace") or None
 
 
 def install(writer) -> None:
@@ -78,6 +104,10 @@ def install(writer) -> None:
         return
     _installed = writer
     faulthandler.register(DUMP_SIGNAL, file=writer.fileno(), all_threads=True, chain=False)
+    try:
+        os.write(writer.fileno(), READY)  # from now on a SIGUSR1 is safe
+    except OSError:
+        pass  # the main process is gone; the watchdog ends us
 
 
 _OWN_THREADS = ("in _watch_main_process", "in _feed", "in _serve")  # watchdog, queue feeder, fd sharer
@@ -105,34 +135,54 @@ def _trim(dump: str) -> str:
 
 
 def describe_timeout(timeout: float, awaited: list[tuple], dumps: dict[int, str | None]) -> str:
-    """The timeout message.  ``awaited``: (worker_id, pid, batch_index, indices
-    description) of what the main process was waiting for; ``dumps``: worker id
-    to its stacks, or None when it did not answer."""
-    head = f"DataLoader timed out after {timeout} seconds"
+    """The timeout message: torch's sentence, word for word, as its first
+    line, then what was awaited and where the workers that owe it are.
+    ``awaited``: (worker_id, pid, batch_index, indices description) of what
+    the main process was waiting for; ``dumps``: worker id to its stacks,
+    ``STARTING`` for a worker that had not started, or None when it did not
+    answer."""
+    lines = [f"DataLoader timed out after {timeout} seconds"]
     if awaited:
         parts = [f"batch {b} ({ix}) from worker {w} (pid {p})" if b is not None
                  else f"worker {w} (pid {p})" for w, p, b, ix in awaited]
-        head += " waiting for " + "; ".join(parts)
-    lines = [head + "."]
+        lines.append("It was waiting for " + "; ".join(parts) + ".")
+    starting = False
     for worker_id, pid, _, _ in awaited:
         dump = dumps.get(worker_id)
-        if dump:
+        if dump == STARTING:
+            starting = True
+            lines.append(f"worker {worker_id} (pid {pid}) was still starting: it had not "
+                         "reached the dataset yet (importing modules, or unpickling the "
+                         "dataset under the spawn or forkserver start method).")
+        elif dump:
             lines.append(f"Python stacks of worker {worker_id} (pid {pid}) when the timeout "
                          f"expired, most recent call first:\n{_trim(dump)}")
         else:
             lines.append(f"Worker {worker_id} (pid {pid}) did not answer the request for its "
                          f"stacks ({DUMP_SIGNAL.name}) within {FIRST_BYTE_WAIT:g} s; it may be "
                          "stuck with signals blocked, or have replaced the handler.")
-    lines.append(f"Hint: the stacks show where each worker was when the timeout expired: a "
-                 f"deadlock, a read from disk or network that never returns, or a sample that "
-                 f"takes longer than timeout={timeout} to load. Fix the code at the top of the "
-                 f"stack, or raise timeout.")
+    if starting:
+        lines.append(f"Hint: a worker that is still starting when timeout={timeout} expires "
+                     "needs a longer timeout: timeout counts from iter(), and a worker started "
+                     "with spawn or forkserver imports torch and unpickles the dataset first.")
+    else:
+        lines.append(f"Hint: the stacks show where each worker was when the timeout expired: "
+                     f"a deadlock, a read from disk or network that never returns, or a sample "
+                     f"that takes longer than timeout={timeout} to load. Fix the code at the top "
+                     f"of the stack, or raise timeout.")
     return "\n".join(lines)
 
 
 def collect_dumps(requests: dict[int, tuple[StackPipe, int]]) -> dict[int, str | None]:
-    """Signal every worker first, then read the answers, so N stuck workers
-    cost one wait, not N."""
-    asked = {w: pipe for w, (pipe, pid) in requests.items() if pipe.request(pid)}
+    """Signal every ready worker first, then read the answers, so N stuck
+    workers cost one wait, not N.  A worker that has not said it is ready is
+    not signalled (the signal would kill it): its answer is ``STARTING``."""
+    asked, answers = {}, {}
+    for w, (pipe, pid) in requests.items():
+        if pipe.request(pid):
+            asked[w] = pipe
+        else:
+            answers[w] = STARTING if not pipe.ready else None
     deadline = time.monotonic() + FIRST_BYTE_WAIT
-    return {w: pipe.collect(deadline) for w, pipe in asked.items()}
+    answers.update({w: pipe.collect(deadline) for w, pipe in asked.items()})
+    return answers

@@ -12,7 +12,9 @@ copy reported with its latest batch that was yielded, and which worker is next
 in the round-robin.  An IterableDataset with neither has its consumed batches
 read again and dropped, with a warning.  Per-worker states resume with the same
 ``num_workers``; a map-style dataset's also with another, when every worker's
-saved state is the same (else ``ValueError``).
+saved state is the same (else ``ValueError``).  A mosaicml-streaming or litdata
+``StreamingDataset`` is resumed through the library's own state API instead
+(``_streaming_adapters.py``).
 
 The format (version 1), plain values only, so it survives ``json`` and
 ``torch.load(weights_only=True)``; its size is O(num_workers)::
@@ -32,22 +34,31 @@ The format (version 1), plain values only, so it survives ``json`` and
                        "state": ...} | None,  # set_epoch: {"epoch", "num_replicas"}
      "worker_states": [state | None, ...] | None,   # per worker: its dataset copy's state
      "iterator_states": [state | None, ...] | None, # per worker: its iter(dataset)'s state
-     "exhausted_workers": [int, ...],  # their stream ended with the last batch yielded
-     "next_worker": int,
      "dataset_state": {"library": str, "state": dict, "reread": int} | None,
                                     # a streaming library's state: _streaming_adapters.py
-     "next_epoch_global_rng": str | None}  # epoch_finished only: the global RNG at state_dict()
+     "exhausted_workers": [int, ...],  # their stream ended with the last batch yielded
+     "next_worker": int,
+     "next_epoch_global_rng": str | None,  # at an epoch's end: the global RNG at state_dict()
+     "sampler": str | None}  # map-style: the kind of sampler, "BatchSampler(RandomSampler)"
 
-``next_epoch_global_rng``, ``iterator_states`` and ``dataset_state`` were added
-within version 1; a state without them loads as if they were None.
+An epoch is at its end when it finished, or when every batch was yielded but
+nothing called ``next()`` again (a framework that knows ``len(loader)``, as
+Lightning does): ``load_state_dict`` counts the latter as finished too.
+
+``next_epoch_global_rng``, ``sampler``, ``iterator_states`` and ``dataset_state``
+were added within version 1; a state without them loads as if they were None.
 
 RNG states are base64 strings of the generators' byte states.  ``load_state_dict``
 checks everything it can up front (``_state_validation.py``) and raises
 ``ValueError`` naming the field and both values; the state then takes effect
-at the next ``iter()``.  One exception: a finished epoch is replayed (indices
-only) inside ``load_state_dict``, so the loader's and the sampler's generators,
-and a stateful sampler, are where the uninterrupted run had them before the
-user's loop calls ``set_epoch`` again.  A sampler that has ``set_epoch`` but no
+at the next ``iter()``.  To check what only the sampler can tell (a position
+past the end of the epoch, an epoch with every batch yielded), a map-style
+state's epoch is replayed (indices only) up to its checkpoint inside
+``load_state_dict``, and again at ``iter()``; a refused state leaves the
+generators and the sampler's epoch as they were.  A finished epoch is replayed
+to its end there, so the loader's and the sampler's generators, and a stateful
+sampler, are where the uninterrupted run had them before the user's loop calls
+``set_epoch`` again.  A sampler that has ``set_epoch`` but no
 state (torch's ``DistributedSampler``) is set to the saved epoch there; a
 mid-epoch state then refuses, at ``iter()``, a sampler the user has since set to
 another epoch, and ``load_state_dict`` refuses one at another ``num_replicas``.
@@ -78,10 +89,11 @@ import torch
 from torch.utils.data import IterableDataset
 
 from ._index_stream import IndexStream, StatefulResult, has_worker_state
+from ._sampler_state import describe_sampler
 from ._rng import encode_rng
 from ._stateful import check
 from ._streaming_adapters import adapter_for
-from ._state_validation import KIND, VERSION, validate
+from ._state_validation import KIND, VERSION, check_finished, check_position, validate
 from .distributed import rank_and_world_size
 
 
@@ -89,7 +101,7 @@ class Plan:
     """What the next epoch started on a loader is: its number, and what to restore."""
 
     __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted", "global_rng",
-                 "iterator_states")
+                 "next", "iterator_states")
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__}
@@ -99,7 +111,7 @@ class Plan:
             setattr(self, name, value)
 
     def __init__(self, epoch: int, state=None, base_seed=None, worker_states=None,
-                 exhausted=(), global_rng=None, iterator_states=None) -> None:
+                 exhausted=(), global_rng=None, next=None, iterator_states=None) -> None:
         self.epoch = epoch
         self.state = state                  # a state whose epoch this one continues
         self.base_seed = base_seed          # persistent workers keep one base seed
@@ -107,6 +119,12 @@ class Plan:
         self.iterator_states = iterator_states  # loaded into what iter(dataset) returns
         self.exhausted = exhausted          # workers with nothing left this epoch
         self.global_rng = global_rng        # a new epoch's draws come from this global RNG
+        # A state with every batch yielded, for a sampler with set_epoch: the plan
+        # for the next epoch, taken if the sampler was set to another epoch since.
+        self.next = next
+
+
+_LEN_UNKNOWN = object()  # len(dataset) not asked for yet
 
 
 class ResumeBook:
@@ -120,26 +138,38 @@ class ResumeBook:
         dataset = loader.dataset
         self.adapter = adapter_for(dataset)  # mosaicml-streaming's, litdata's dataset
         iterable = isinstance(dataset, IterableDataset)
-        try:
-            length = None if iterable else len(dataset)
-        except TypeError:
-            length = None
-        self.header = {
+        # len(dataset) waits until a state is saved or loaded (see header):
+        # torch's iter() calls it only through a sampler that needs it.
+        self._dataset = None if iterable else dataset
+        self._header = {
             "version": VERSION, "kind": KIND,
-            "dataset_kind": "iterable" if iterable else "map", "dataset_len": length,
+            "dataset_kind": "iterable" if iterable else "map", "dataset_len": _LEN_UNKNOWN,
             "batch_size": loader.batch_size, "drop_last": bool(loader.drop_last),
             "num_workers": loader.num_workers,
             "persistent_workers": bool(loader.persistent_workers),
             # an IterableDataset's per-rank stream only resumes at this world size
             "world_size": rank_and_world_size()[1] if iterable else None,
+            "sampler": None if iterable else describe_sampler(loader._index_sampler),
         }
+
+    @property
+    def header(self) -> dict:
+        if self._header["dataset_len"] is _LEN_UNKNOWN:
+            try:
+                length = None if self._dataset is None else len(self._dataset)
+            except (TypeError, NotImplementedError):  # no usable __len__: torch's
+                length = None                         # batch_sampler path works without
+            self._header["dataset_len"] = length
+            self._dataset = None
+        return self._header
 
     def __getstate__(self):
         # A copied or pickled loader keeps its epoch count and a pending loaded
         # state, not the live iteration (whose sampler iterator cannot be copied):
         # like torch's loader, the copy's next iter() starts an epoch.
         return {"live": None, "next_epoch": self.next_epoch, "plan": self.plan,
-                "loaded": self.loaded, "header": self.header, "adapter": self.adapter}
+                "loaded": self.loaded, "_header": self.header, "_dataset": None,
+                "adapter": self.adapter}
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
@@ -151,8 +181,18 @@ class ResumeBook:
             book = loader.__dict__["_resume_book"] = ResumeBook(loader)
         return book
 
-    def begin(self, stream) -> Plan:
-        plan = self.plan if self.plan is not None else Plan(self.next_epoch)
+    def undo_point(self):
+        """What ``begin`` changes, to put back if the epoch then fails to start."""
+        saved = (self.plan, self.loaded, self.live, self.next_epoch)
+
+        def undo() -> None:
+            self.plan, self.loaded, self.live, self.next_epoch = saved
+        return undo
+
+    def begin(self, stream, plan: Plan | None = None) -> Plan:
+        """Start the epoch ``plan`` says (default: the pending one, else the next)."""
+        if plan is None:
+            plan = self.plan if self.plan is not None else Plan(self.next_epoch)
         self.plan = self.loaded = None
         self.live = stream
         self.next_epoch = plan.epoch + 1
@@ -170,8 +210,9 @@ def state_dict(loader) -> dict:
         state.update(epoch=book.next_epoch, epoch_finished=False, batches_yielded=0,
                      samples_yielded=0, out_of_order_yielded=[], base_seed=None,
                      draws_base_seed=True, epoch_start_rng=None, sampler_state=None,
-                     worker_states=None, iterator_states=None, exhausted_workers=[],
-                     next_worker=0, next_epoch_global_rng=None, dataset_state=None)
+                     worker_states=None, iterator_states=None, dataset_state=None,
+                     exhausted_workers=[], next_worker=0,
+                     next_epoch_global_rng=None)
         return state
     state["epoch"] = s.epoch
     state["epoch_finished"] = s.finished
@@ -188,9 +229,10 @@ def state_dict(loader) -> dict:
                                 else None)
     state["exhausted_workers"] = sorted(s.exhausted) if s.exhausted else []
     state["next_worker"] = s.first_worker
-    # Only a finished epoch's state pays for the encoding; a state inside an epoch
-    # replays that epoch from epoch_start_rng instead.
-    state["next_epoch_global_rng"] = encode_rng(torch.get_rng_state()) if s.finished else None
+    # Only a state at the end of an epoch pays for the encoding; a state inside an
+    # epoch replays that epoch from epoch_start_rng instead.
+    state["next_epoch_global_rng"] = (encode_rng(torch.get_rng_state()) if s.at_end()
+                                      else None)
     state["dataset_state"] = None
     adapter = book.adapter
     if adapter is not None:  # asked for now, never per batch
@@ -208,6 +250,12 @@ def load_state_dict(loader, state) -> None:
     book = ResumeBook.of(loader)
     probe = IndexStream(loader)  # what this loader's stream looks like; starts nothing
     state = validate(state, book.header, loader, probe)
+    undo = _undo_point(loader, probe)
+    try:
+        plan = _plan(loader, probe, state)
+    except BaseException:
+        undo()  # a refused state leaves the loader as it was
+        raise
     # A persistent iterator still alive belongs to the old position.
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None:
@@ -215,31 +263,51 @@ def load_state_dict(loader, state) -> None:
         if shutdown is not None:
             shutdown()
         loader._iterator = None
-    epoch = state["epoch"]
-    carries = loader.num_workers == 0 or probe.persistent  # the same dataset copies go on
     if state["dataset_state"] is not None:  # validated: this loader has the same library
         book.adapter.load(state["dataset_state"]["state"])
-    probe.restore_sampler_epoch(state)
-    if state["epoch_start_rng"] is None:  # saved before its epoch started
-        plan = Plan(epoch)
-    elif state["epoch_finished"]:
-        probe.replay_to_end(state)
-        # The next epoch calls iter(dataset) anew: only the datasets' states carry over.
-        plan = Plan(epoch + 1,
-                    base_seed=state["base_seed"] if probe.persistent else None,
-                    worker_states=state["worker_states"] if carries else None,
-                    global_rng=state["next_epoch_global_rng"])
-    elif probe.is_iterable and state["dataset_state"] is not None:
-        plan = Plan(epoch, state=state)
-    elif probe.is_iterable and not has_worker_state(state):
-        plan = Plan(epoch, state=state)
-    else:
-        plan = Plan(epoch, state=state, worker_states=state["worker_states"],
-                    exhausted=tuple(state["exhausted_workers"]),
-                    iterator_states=state["iterator_states"])
     _warn_stateless(loader, state, plan.epoch)
     book.plan, book.loaded, book.live = plan, state, None
     book.next_epoch = plan.epoch
+
+
+def _plan(loader, probe: IndexStream, state: dict) -> Plan:
+    """What the next iter() does with ``state``; raises ValueError if it cannot apply.
+
+    A map-style state inside an epoch is replayed up to its checkpoint here
+    (indices only), so one that points past the end of this loader's epoch is
+    refused now, and one with every batch yielded (a framework that knows
+    ``len(loader)`` never calls ``next()`` after the last) counts as finished.
+    """
+    epoch = state["epoch"]
+    carries = loader.num_workers == 0 or probe.persistent  # the same dataset copies go on
+    probe.restore_sampler_epoch(state)
+    if state["epoch_start_rng"] is None:  # saved before its epoch started
+        return Plan(epoch)
+    finished = state["epoch_finished"]
+    if finished:
+        check_finished(state, probe.replay_to_end(state))
+    elif not probe.is_iterable:
+        frontier, found = probe.locate(state)
+        # every batch yielded: locate left the RNGs and the sampler at the end
+        finished = check_position(state, frontier, found)
+    if finished:
+        after = Plan(epoch + 1,
+                     base_seed=state["base_seed"] if probe.persistent else None,
+                     worker_states=state["worker_states"] if carries else None,
+                     global_rng=state["next_epoch_global_rng"])
+        if state["epoch_finished"] or probe.saved_sampler_epoch(state) is None:
+            return after
+        # Every batch yielded, and the sampler has set_epoch: the loop tells which
+        # epoch it wants.  set_epoch(epoch + 1) before iter() (Lightning) starts it;
+        # left at the saved epoch (a loop that resumes its own epoch count), the
+        # saved epoch goes on, with nothing left in it, so no epoch is dealt twice.
+        return Plan(epoch, state=state, next=after)
+    if probe.is_iterable and (state["dataset_state"] is not None
+                              or not has_worker_state(state)):
+        return Plan(epoch, state=state)  # the library skips, or the loader re-reads
+    return Plan(epoch, state=state, worker_states=state["worker_states"],
+                exhausted=tuple(state["exhausted_workers"]),
+                iterator_states=state["iterator_states"])
 
 
 def _warn_stateless(loader, state: dict, epoch: int) -> None:
@@ -267,8 +335,25 @@ def _warn_stateless(loader, state: dict, epoch: int) -> None:
     warnings.warn(" ".join(parts), stacklevel=3)
 
 
+def _undo_point(loader, probe: IndexStream):
+    """Put back what checking a state may move: the generators and the sampler's epoch."""
+    generators = [g for g in (loader.generator, *probe.generators) if g is not None]
+    states = [g.get_state() for g in generators]
+    sampler = probe.sampler
+    epoch = getattr(sampler, "epoch", None)
+
+    def undo() -> None:
+        for g, s in zip(generators, states):
+            g.set_state(s)
+        if epoch is not None and getattr(sampler, "epoch", None) != epoch \
+                and callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+    return undo
+
+
 class StatefulUnpacker:
-    """The transport's unpacker, which also lets batches carrying a worker's state through."""
+    """The transport's unpacker, which also lets an IterableDataset's batches through
+    when they carry a worker's state or a short batch's sample count."""
 
     def __init__(self, inner) -> None:
         self._inner = inner
@@ -276,7 +361,7 @@ class StatefulUnpacker:
     def unpack(self, payload):
         if type(payload) is StatefulResult:
             return StatefulResult(self._inner.unpack(payload.value), payload.state,
-                                   payload.ended)
+                                   payload.ended, payload.samples)
         return self._inner.unpack(payload)
 
     def discard(self, payload) -> None:

@@ -24,6 +24,16 @@ dropped, so stats read after the loop still describe the loop.
 With ``num_workers=0`` the main process is the worker: its fetch + collate time
 is the time spent in ``__next__``, so its busy fraction equals the stall
 fraction.
+
+Worker start and worker memory (issue 19).  Each worker's first message says
+when it was launched and when it was ready (``on_started``), so ``stats()``
+shows the seconds spent starting the workers this epoch; when that is most of
+the epoch (spawn, or forkserver, without persistent workers), the verdict and
+the log line say so and suggest ``persistent_workers=True``.  Each worker also
+reports its private memory (USS) when it was ready; ``stats()`` shows the USS
+now and the growth since.  Growth past ``USS_GROWTH_WARN`` is almost always
+copy-on-read (torch issue 13246): it is checked every ``MEMORY_CHECK_EVERY``
+seconds of iteration and logged once per process.
 """
 from __future__ import annotations
 
@@ -32,18 +42,26 @@ import logging
 import os
 import sys
 import weakref
-from time import perf_counter
+from time import monotonic, perf_counter
+
+import psutil
+
+from ._processes import launched_at
 
 logger = logging.getLogger("torchfeed")
 
 STALL_WARN = 0.10   # stall fractions above this are called data-bound in str()
 BUSY_SATURATED = 0.80
+START_DOMINATES = 0.5       # worker start-up above this share of the epoch is called out
+USS_GROWTH_WARN = 256 * 2**20  # a worker's private memory grown this much since its start
+MEMORY_CHECK_EVERY = 10.0   # seconds of iteration between checks of workers' memory
 
 
 class IteratorStats:
     __slots__ = ("_iterator", "num_workers", "transport", "log_every", "limit",
                  "start", "end", "wait", "yielded", "next_log", "worker_batches",
-                 "worker_busy", "epoch", "_pin_base", "_live", "_window", "__weakref__")
+                 "worker_busy", "epoch", "_pin_base", "_live", "_window", "persistent",
+                 "_begun", "_start_mono", "_starts", "_next_memory_check", "__weakref__")
 
     def __init__(self, iterator, loader, epoch: int) -> None:
         self._iterator = weakref.ref(iterator, self._iterator_gone)
@@ -51,6 +69,7 @@ class IteratorStats:
         self.transport = getattr(loader, "transport", None) if self.num_workers else None
         self.log_every = getattr(loader, "log_every", None)
         self.limit = (loader.prefetch_factor or 0) * self.num_workers
+        self.persistent = bool(loader.persistent_workers)
         self._live = _idle_live(self.num_workers)
         self.begin(epoch)
 
@@ -62,10 +81,17 @@ class IteratorStats:
         if self.yielded == self.next_log:
             self.next_log += self.log_every
             self._log(now)
+        if now >= self._next_memory_check:
+            self._next_memory_check = now + MEMORY_CHECK_EVERY
+            self._check_memory()
 
     def on_result(self, worker_id: int, seconds: float) -> None:
         self.worker_batches[worker_id] += 1
         self.worker_busy[worker_id] += seconds
+
+    def on_started(self, worker_id: int, launched: float, ready: float, uss: int) -> None:
+        """A worker's first message: launched and ready (``monotonic()``), and its USS then."""
+        self._starts[worker_id] = (launched, ready, uss or None)
 
     def finish(self, t0: float) -> None:
         """The epoch ended: stop the clock (once), keep the last live values."""
@@ -98,13 +124,21 @@ class IteratorStats:
         self.worker_busy = [0.0] * self.num_workers
         self.next_log = self.log_every or 0  # 0 never equals a count after +1
         self.end = None
+        # Workers launched from now on started in this epoch; a persistent
+        # worker's start belongs to the epoch that launched it.
+        self._begun = monotonic()
+        self._starts = {k: v for k, v in getattr(self, "_starts", {}).items()
+                        if v[0] >= self._begun}
         self.start_clock()
 
     def start_clock(self) -> None:
         """Wall time starts here: when ``iter(loader)`` hands the iterator over."""
         self._read_live()  # worker pids, while the iterator is surely alive
         self.start = perf_counter()
+        self._start_mono = monotonic()
         self._window = (self.start, 0.0, 0)
+        self._next_memory_check = (self.start + MEMORY_CHECK_EVERY if self.num_workers
+                                   else float("inf"))
 
     def _iterator_gone(self, _ref) -> None:
         if self.end is None:
@@ -118,7 +152,9 @@ class IteratorStats:
         if it is None or self.num_workers == 0:
             return self._live
         pin = getattr(it, "_pin_thread", None)
-        live = {"pids": [getattr(w, "pid", None) for w in getattr(it, "_workers", ())],
+        workers = list(getattr(it, "_workers", ()))
+        live = {"pids": [getattr(w, "pid", None) for w in workers],
+                "launched": [launched_at(w) for w in workers],
                 "pin": None if pin is None else pin.busy_seconds - self._pin_base}
         if getattr(it, "_shutdown", False):
             live["queues"] = (0, 0)
@@ -131,11 +167,68 @@ class IteratorStats:
             live["queues"] = (max(0, outstanding - pinned),
                               len(getattr(it, "_arrived", ())) + pinned)
         live["shm"] = _shm_stats(getattr(it, "_unpacker", None), self._live["shm"])
+        live["uss"] = self._live.get("uss", [None] * self.num_workers)
         self._live = live
         return live
 
+    def _read_memory(self) -> list:
+        """Each live worker's private memory (USS) now, in bytes, or None."""
+        out = []
+        for pid in self._live["pids"]:
+            try:
+                out.append(psutil.Process(pid).memory_full_info().uss if pid else None)
+            except (psutil.Error, OSError, AttributeError):
+                out.append(None)
+        out = (out + [None] * self.num_workers)[:self.num_workers]
+        # A worker that has exited keeps its last reading.
+        self._live["uss"] = [now if now is not None else last
+                             for now, last in zip(out, self._live["uss"])]
+        return self._live["uss"]
+
+    def _growth(self, worker_id: int, uss):
+        start = self._starts.get(worker_id)
+        if uss is None or start is None or start[2] is None:
+            return None
+        return uss - start[2]
+
+    def _check_memory(self) -> None:
+        global _memory_warned
+        if _memory_warned:
+            return
+        try:
+            self._read_live()
+            for worker_id, uss in enumerate(self._read_memory()):
+                growth = self._growth(worker_id, uss)
+                if growth is not None and growth > USS_GROWTH_WARN:
+                    _memory_warned = True
+                    logger.warning(copy_on_read_warning(worker_id, growth, uss))
+                    return
+        except Exception:  # statistics must never break the training loop
+            logger.debug("torchfeed: could not read workers' memory", exc_info=True)
+
+    def _start_seconds(self, now: float, launched: list):
+        """(seconds from the first launch this epoch until the last worker was
+        ready, or until ``now`` while one is still starting; the seconds from that
+        launch to ``now``), or (None, None) when no worker started this epoch."""
+        now += self._start_mono - self.start  # perf_counter() to monotonic()
+        spans = []
+        for i in range(self.num_workers):
+            record = self._starts.get(i)
+            if record is not None:
+                spans.append(record[:2])
+            elif i < len(launched) and launched[i] is not None and launched[i] >= self._begun:
+                spans.append((launched[i], now))  # launched this epoch, not ready yet
+        if not spans:
+            return None, None
+        first = min(a for a, _ in spans)
+        return max(b for _, b in spans) - first, now - first
+
     def snapshot(self) -> LoaderStats:
         it = self._iterator()
+        # Workers' memory first (a few /proc reads), then the queues and slots,
+        # so those are read as close to the return as they can be.
+        uss = (self._read_memory() if self.num_workers and running_now(it, self)
+               else list(self._live.get("uss") or []))
         live = self._read_live() if self.end is None else self._live
         now = self.end if self.end is not None else perf_counter()
         wall = max(now - self.start, 1e-9)
@@ -144,10 +237,15 @@ class IteratorStats:
         else:
             batches, busy = list(self.worker_batches), list(self.worker_busy)
             pids = (live["pids"] + [None] * self.num_workers)[:self.num_workers]
+        uss = (uss + [None] * len(batches))[:len(batches)]
+        starts = [self._starts.get(i) for i in range(len(batches))]
         workers = [{"id": i, "pid": pids[i], "batches": batches[i],
                     "busy_seconds": busy[i], "busy_fraction": busy[i] / wall,
-                    "mean_fetch_seconds": busy[i] / batches[i] if batches[i] else None}
+                    "mean_fetch_seconds": busy[i] / batches[i] if batches[i] else None,
+                    "start_seconds": None if starts[i] is None else starts[i][1] - starts[i][0],
+                    "uss_bytes": uss[i], "uss_growth_bytes": self._growth(i, uss[i])}
                    for i in range(len(batches))]
+        start_seconds, since_launch = self._start_seconds(now, live.get("launched") or [])
         in_flight, ready = live["queues"]
         running = it is not None and self.end is None and not getattr(it, "_shutdown", False)
         return LoaderStats(
@@ -155,7 +253,10 @@ class IteratorStats:
             batches_yielded=self.yielded, wall_seconds=wall, wait_seconds=self.wait,
             stall_fraction=min(1.0, self.wait / wall), workers=workers,
             queues={"in_flight": in_flight, "ready": ready, "limit": self.limit},
-            shm=dict(live["shm"]), pin_thread_busy_seconds=live["pin"])
+            shm=dict(live["shm"]), pin_thread_busy_seconds=live["pin"],
+            persistent_workers=self.persistent, worker_start_seconds=start_seconds,
+            worker_start_fraction=(None if start_seconds is None
+                                   else min(1.0, start_seconds / max(since_launch, 1e-9))))
 
     def __reduce__(self):
         # A loader that is pickled or deep-copied keeps its last stats, not the
@@ -172,11 +273,12 @@ class IteratorStats:
             window = max(now - t_prev, 1e-9)
             logger.info(
                 "%d batches | data stall %.1f%% (last %d: %.1f%%) | %.1f batches/s"
-                " | slowest %s | in flight %d, ready %d",
+                " | slowest %s | in flight %d, ready %d%s",
                 s["batches_yielded"], 100 * s["stall_fraction"], self.yielded - n_prev,
                 100 * min(1.0, (self.wait - wait_prev) / window),
                 (self.yielded - n_prev) / window, _slowest(s),
-                s["queues"]["in_flight"], s["queues"]["ready"])
+                s["queues"]["in_flight"], s["queues"]["ready"],
+                f" | {start_advice(s)}" if starting_dominates(s) else "")
         except Exception:  # statistics must never break the training loop
             logger.warning("torchfeed: could not write the stats log line", exc_info=True)
 
@@ -227,6 +329,17 @@ class LoaderStats(dict):
                 lines.append("  shared memory       no slots")
             if s["pin_thread_busy_seconds"] is not None:
                 lines.append(f"  pin-memory thread   {s['pin_thread_busy_seconds']:.2f} s busy")
+            if s.get("worker_start_seconds") is not None:
+                lines.append(f"  worker start        {s['worker_start_seconds']:.2f} s "
+                             f"({100 * s['worker_start_fraction']:.0f}% of the epoch)")
+            grown = [w for w in s["workers"] if w.get("uss_bytes") is not None]
+            if grown:
+                lines.append("  worker memory (USS) " + ", ".join(
+                    f"{'main' if n == 0 else w['id']}: {_size(w['uss_bytes'])}"
+                    + ("" if w["uss_growth_bytes"] is None
+                       else f" ({'+' if w['uss_growth_bytes'] >= 0 else '-'}"
+                            f"{_size(abs(w['uss_growth_bytes']))} since start)")
+                    for w in grown))
         lines.append(f"  verdict             {verdict(s)}")
         return "\n".join(lines)
 
@@ -234,6 +347,8 @@ class LoaderStats(dict):
 def verdict(s) -> str:
     if s["batches_yielded"] == 0:
         return "no batches yet"
+    if starting_dominates(s):
+        return start_advice(s)
     stall = s["stall_fraction"]
     if stall < STALL_WARN:
         return (f"not data-bound: the loop waited on data {100 * stall:.0f}% of the time")
@@ -249,6 +364,38 @@ def verdict(s) -> str:
             "main process (transport, pinning). Short runs also count worker start-up")
 
 
+def starting_dominates(s) -> bool:
+    """Starting workers took most of an epoch the loop waited on."""
+    fraction = s.get("worker_start_fraction")
+    return (fraction is not None and fraction >= START_DOMINATES
+            and s["stall_fraction"] >= STALL_WARN)
+
+
+def start_advice(s) -> str:
+    text = (f"starting workers took {s['worker_start_seconds']:.2f} s, "
+            f"{100 * s['worker_start_fraction']:.0f}% of this epoch")
+    if s.get("persistent_workers"):
+        return text + "; with persistent_workers=True only the first epoch pays it"
+    return text + "; pass persistent_workers=True to start them once instead of at every epoch"
+
+
+def copy_on_read_warning(worker_id: int, growth: int, uss) -> str:
+    return (f"DataLoader worker {worker_id}'s private memory grew by {_size(growth)} since it "
+            f"started (now {_size(uss)}). This is most often copy-on-read: every read of a "
+            "Python object (a list, dict or str) the dataset holds writes its reference "
+            "count, so each worker slowly copies the parent's memory pages (pytorch issue "
+            "13246). Hold the data in numpy arrays, tensors or Arrow-backed storage (a "
+            "pyarrow Table, a Hugging Face dataset) instead of Python lists and dicts. "
+            "See the README, 'Workers' memory grows'. (Logged once.)")
+
+
+def running_now(it, stats) -> bool:
+    return it is not None and stats.end is None and not getattr(it, "_shutdown", False)
+
+
+_memory_warned = False
+
+
 def empty_stats(loader) -> LoaderStats:
     """What ``stats()`` says before the loader was ever iterated."""
     n = loader.num_workers
@@ -256,16 +403,21 @@ def empty_stats(loader) -> LoaderStats:
         state="not started", epoch=0, num_workers=n, transport=getattr(loader, "transport", None) if n else None,
         batches_yielded=0, wall_seconds=0.0, wait_seconds=0.0, stall_fraction=0.0,
         workers=[{"id": i, "pid": None, "batches": 0, "busy_seconds": 0.0, "busy_fraction": 0.0,
-                  "mean_fetch_seconds": None} for i in range(max(n, 1))],
+                  "mean_fetch_seconds": None, "start_seconds": None, "uss_bytes": None,
+                  "uss_growth_bytes": None} for i in range(max(n, 1))],
         queues={"in_flight": 0, "ready": 0, "limit": (loader.prefetch_factor or 0) * n},
-        shm=dict(_NO_SHM), pin_thread_busy_seconds=None)
+        shm=dict(_NO_SHM), pin_thread_busy_seconds=None,
+        persistent_workers=bool(loader.persistent_workers), worker_start_seconds=None,
+        worker_start_fraction=None)
 
 
 _NO_SHM = {"slots": 0, "in_use": 0, "bytes": 0, "in_use_bytes": None}
 
 
 def _idle_live(num_workers: int) -> dict:
-    return {"pids": [None] * num_workers, "queues": (0, 0), "shm": dict(_NO_SHM), "pin": None}
+    return {"pids": [None] * num_workers, "launched": [], "queues": (0, 0), "shm": dict(_NO_SHM),
+            "pin": None,
+            "uss": [None] * num_workers}
 
 
 def _shm_stats(unpacker, last: dict) -> dict:

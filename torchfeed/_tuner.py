@@ -20,6 +20,7 @@ import torch.utils.data
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._progress import Progress
+from ._stats import START_DOMINATES
 from .bench.measure import cpu_count, time_loader
 
 # Within this fraction of the best, fewer workers (less memory, fewer
@@ -42,6 +43,10 @@ class TuneRow:
     peak_mem_bytes: int | None = None
     batches: int = 0
     error: str | None = None
+    # Workers started anew at each epoch: seconds one start took (the last
+    # epoch's, from stats()), and the share of the run that all starts took.
+    worker_start_s: float | None = None
+    worker_start_fraction: float | None = None
 
 
 @dataclass
@@ -213,6 +218,30 @@ def loader_arguments(source: Any, batch_size: int | None = None) -> tuple[type, 
     return type(dl), kwargs
 
 
+def _made(made: list, loader, keep: bool):
+    if keep:
+        made.append(loader)
+    return loader
+
+
+def _worker_start(row: TuneRow, made: list, timing) -> None:
+    """How long starting workers took at each epoch, from a torchfeed loader's
+    stats() of its last epoch; the run may have ended while that epoch's workers
+    were still starting, and then the first batch, which waited for the first
+    epoch's workers, tells instead."""
+    stats = getattr(made[-1], "stats", None) if made else None
+    s = stats() if stats is not None else None
+    if s is None or s.get("worker_start_seconds") is None:
+        return
+    start = s["worker_start_seconds"]
+    if any(w.get("start_seconds") is None for w in s["workers"]):
+        per_batch = 1.0 / timing.batches_per_s if timing.batches_per_s > 0 else 0.0
+        start = max(start, timing.first_batch_s - per_batch)
+    row.worker_start_s = start
+    run = timing.seconds + timing.first_batch_s
+    row.worker_start_fraction = min(1.0, start * timing.epochs_started / max(run, 1e-9))
+
+
 def _workers(n: int) -> str:
     return f"{n} worker{'' if n == 1 else 's'}"
 
@@ -332,21 +361,26 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
         bar.step("warm-up")
         try:
             time_loader(lambda: cls(**dict(base, num_workers=0, persistent_workers=False,
-                                           timeout=0)), batches=2, restart_epochs=True)
+                                           timeout=0, multiprocessing_context=None)),
+                        batches=2, restart_epochs=True)
         except Exception:
             pass  # the num_workers=0 setting below fails the same way and reports it
         for workers, factor in settings:
             bar.step(f"num_workers={workers}" + (f" prefetch_factor={factor}" if factor else ""))
             kwargs = dict(base, num_workers=workers)
             if workers == 0:
-                # torch rejects both without workers; they only govern workers anyway.
+                # torch rejects these without workers; they only govern workers anyway.
                 kwargs["persistent_workers"] = False
                 kwargs["timeout"] = 0
+                kwargs["multiprocessing_context"] = None
             else:
                 kwargs["prefetch_factor"] = factor
             row = TuneRow(workers, factor)
+            made = []  # without persistent workers a loader holds no process once iterated
+            keep = workers > 0 and not kwargs.get("persistent_workers")
             try:
-                timing = time_loader(lambda: cls(**kwargs), seconds=seconds, restart_epochs=True)
+                timing = time_loader(lambda: _made(made, cls(**kwargs), keep), seconds=seconds,
+                                     restart_epochs=True)
             except Exception as exc:  # one failing setting must not hide the others
                 row.error = _describe(exc)
             else:
@@ -355,6 +389,8 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
                 row.cpu_us_per_batch = timing.cpu_us_per_batch
                 row.peak_mem_bytes = timing.peak_mem_bytes
                 row.batches = timing.batches
+                _worker_start(row, made, timing)
+            made.clear()
             rows.append(row)
 
     pick, reason = recommend(rows, cores)
@@ -362,6 +398,14 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
     if failed:
         notes.append(f"{len(failed)} setting(s) failed and were left out; the first: "
                      f"num_workers={failed[0].num_workers}: {failed[0].error}")
+    slow_start = [r for r in rows if (r.worker_start_fraction or 0.0) >= START_DOMINATES]
+    if slow_start:
+        worst = max(slow_start, key=lambda r: r.worker_start_fraction)
+        notes.append(f"starting workers dominated the settings with workers (with "
+                     f"{_workers(worst.num_workers)}: {worst.worker_start_s:.2f} s at each epoch, "
+                     f"{100 * worst.worker_start_fraction:.0f}% of the run), as the loader "
+                     "starts them anew every epoch: pass persistent_workers=True to start them "
+                     "once, and tune again")
     if any(r.error is None and r.batches < _FEW_BATCHES for r in rows):
         notes.append(f"some settings produced fewer than {_FEW_BATCHES} batches in {seconds:g} s; "
                      "raise seconds for a steadier measurement")

@@ -10,6 +10,10 @@ copy and its iterator reported right after making it: ``_stateful.py``), a
 marker, and seconds is the time fetch + collate + pack + pickle took (for
 ``DataLoader.stats()``).  Small messages are written by the worker's main
 thread itself (``_result_writer.py``), larger ones by the queue's feeder thread.
+A worker's first message also carries ``(launched_at, ready_at, private bytes)``:
+when the main process started it and when it was ready for its first task
+(``time.monotonic()``, one clock for all processes), and its private memory
+(USS) then, for ``DataLoader.stats()``.
 
 Two rules keep the main process from ever hanging on a worker:
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import faulthandler
+import gc
 import io
 import os
 import pickle
@@ -34,10 +39,12 @@ from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
+import psutil
 import torch
 import torch.utils.data._utils.worker as _torch_worker
 
 from . import _seeding, _stack_dump
+from ._datapipes import seed_graph, shard_graph
 from ._errors import WorkerFailure, add_note
 from ._fetch import create_fetcher
 from ._index_stream import StatefulResult
@@ -61,6 +68,7 @@ class Task:
 class ResumeIteration:
     """Start a new epoch with persistent workers."""
     epoch: int
+    shared_seed: int | None = None  # an IterDataPipe's, for the new epoch (_datapipes.py)
 
 
 @dataclass
@@ -87,6 +95,7 @@ class WorkerSpec:
     # entry (the dataset's before iterating, the iterator's after iter()).
     resume_states: list | None = None
     ships_state: bool = False  # send the (dataset, iterator) state with every batch
+    shared_seed: int | None = None  # an IterDataPipe's (_datapipes.py)
 
 
 def _main_process_alive(main_pid: int, parent_pid: int) -> bool:
@@ -176,8 +185,18 @@ def _unsendable(exc: Exception, detail: str, worker_id: int, task: Task | None):
                          task.batch_index if task else None)
 
 
+def settle_heap(enable_gc: bool) -> None:
+    """Put everything this process inherited out of the collector's reach
+    (NOTE [ The collector and fork ] in ``_processes.py``); ``enable_gc``: the
+    parent paused the collector for the fork and it was on before."""
+    gc.freeze()
+    if enable_gc:
+        gc.enable()
+
+
 def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, channel,
-                stack_pipe=None) -> None:
+                stack_pipe=None, enable_gc: bool = False, launched_at: float = 0.0) -> None:
+    settle_heap(enable_gc)  # first: before anything here can trigger a collection
     # Ctrl-C reaches the whole process group; the main process decides when
     # workers stop, so a worker must not die half-way through a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -196,12 +215,13 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
 
     torch.set_num_threads(1)
     seed = _seeding.seed_worker(spec.base_seed, worker_id)
-    dataset = spec.dataset
+    dataset = seed_graph(spec.dataset, spec.shared_seed)  # as torch's worker does
     _torch_worker._worker_info = _torch_worker.WorkerInfo(
         id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset)
 
     init_failure = None
     try:
+        shard_graph(dataset, spec.num_workers, worker_id)  # torch: before worker_init_fn
         if spec.worker_init_fn is not None:
             spec.worker_init_fn(worker_id)
     except Exception as exc:
@@ -227,6 +247,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     results = ResultWriter(result_queue)
     index_fds = [index_queue._reader.fileno()]
     plain_tuples = packer.plain_tuples
+    started = (launched_at, time.monotonic(), _private_bytes())  # sent with the first message
     try:
         while True:
             # Queue.get(timeout=...) builds and tears down a selector per call;
@@ -242,6 +263,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             if isinstance(task, ResumeIteration):
                 epoch = task.epoch
                 exhausted = False
+                dataset = seed_graph(dataset, task.shared_seed)
                 fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
                                          collate_fn, spec.drop_last)
                 results.put((task, worker_id, None, 0.0))
@@ -256,7 +278,8 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 if isinstance(payload, IterableExhausted):
                     exhausted = True
             message = _serialize(task.send_idx, payload, worker_id, task, plain_tuples)
-            results.put((*message, time.perf_counter() - start))  # + busy time, for stats
+            results.put((*message, time.perf_counter() - start, *started))  # + busy time, for stats
+            started = ()
             del payload, task
     except BrokenPipeError:
         pass  # the main process is gone; the watchdog would end us in a moment
@@ -270,6 +293,13 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
         # shutting down it terminates us after its grace period.
         result_queue.close()
         result_queue.join_thread()
+
+
+def _private_bytes() -> int:
+    try:
+        return psutil.Process().memory_full_info().uss
+    except (psutil.Error, AttributeError, OSError):
+        return 0  # not readable here: stats show no figure
 
 
 def _run_task(task: Task, fetcher, taker, spec: WorkerSpec, worker_id: int, epoch: int,
@@ -293,4 +323,7 @@ def _run_task(task: Task, fetcher, taker, spec: WorkerSpec, worker_id: int, epoc
         if find_unpicklable(batch) is not None:
             return _unsendable(exc, describe_unpicklable(batch), worker_id, task)
         return WorkerFailure(exc, worker_id, "packing", task.indices, task.batch_index)
-    return StatefulResult(payload, state, getattr(fetcher, "ended", False)) if spec.ships_state else payload
+    short = fetcher.last_size if spec.is_iterable else None  # the samples a short batch holds
+    if spec.ships_state or short is not None:
+        return StatefulResult(payload, state, getattr(fetcher, "ended", False), short)
+    return payload

@@ -12,10 +12,13 @@ loader rebuilt from its attributes keeps them too.
 """
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch.utils.data
 
 from . import _state
 from ._errors import nested_worker_error
+from .frameworks import frameworks_warning, loaded
 from ._multiprocess import MultiProcessIterator
 from ._options import (resolve_log_every, resolve_transport, validate_max_worker_restarts,
                        validate_options)
@@ -23,7 +26,10 @@ from ._single_process import SingleProcessIterator
 from ._stats import LoaderStats, empty_stats
 
 
-class DataLoader(torch.utils.data.DataLoader):
+T_co = TypeVar("T_co", covariant=True)
+
+
+class DataLoader(torch.utils.data.DataLoader[T_co]):
     """A drop-in replacement for :class:`torch.utils.data.DataLoader`.
 
     Takes exactly torch's arguments, with torch's defaults and validation, plus
@@ -79,6 +85,12 @@ class DataLoader(torch.utils.data.DataLoader):
         self.log_every = resolve_log_every(log_every)
 
     def __iter__(self):
+        kept = self.__dict__.get("_iterator")
+        if kept is not None and getattr(kept, "_shutdown", False):
+            # A persistent iterator whose workers were stopped by an error (a
+            # worker died, the pin thread failed) that the user caught: torch
+            # would re-raise that error at every later iter(); start fresh workers.
+            self._iterator = None
         iterator = super().__iter__()
         iterator._stats.start_clock()  # when the user has it; counts began before any task
         self._stats_source = iterator._stats    # not the iterator: stats keep no worker alive
@@ -90,6 +102,9 @@ class DataLoader(torch.utils.data.DataLoader):
         ``str()`` of the result is a readable summary.  See ``torchfeed/_stats.py``
         and the README, "Is my training data-bound?".
         """
+        engine = self.__dict__.get("_prepared_as")  # torchfeed.prepare: the loader that runs
+        if engine is not None:
+            return engine.stats()
         source = getattr(self, "_stats_source", None)
         return empty_stats(self) if source is None else source.snapshot()
 
@@ -99,7 +114,18 @@ class DataLoader(torch.utils.data.DataLoader):
         Exact at every step and cheap (no work proportional to the dataset):
         batches prefetched but not yet yielded are not counted as consumed.
         Survives ``json`` and ``torch.save``/``torch.load(weights_only=True)``.
+        After ``torchfeed.prepare``, the state of the loader the framework runs.
         """
+        engine = self.__dict__.get("_prepared_as")
+        if engine is not None:
+            return engine.state_dict()
+        user_state = self.__dict__.get("_user_state")  # a wrapper holds a batch read ahead
+        if user_state is not None:
+            return dict(user_state)
+        frameworks_warning(self)
+        return self._own_state_dict()
+
+    def _own_state_dict(self) -> dict:
         return _state.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -107,9 +133,14 @@ class DataLoader(torch.utils.data.DataLoader):
 
         Raises ``ValueError`` naming the field if the state cannot apply to this
         loader.  Map-style datasets resume with any ``num_workers`` and load no
-        data to get there.
+        data to get there.  After ``torchfeed.prepare``, loads into the loader the
+        framework runs.
         """
+        engine = self.__dict__.get("_prepared_as")
+        if engine is not None:
+            return engine.load_state_dict(state_dict)
         _state.load_state_dict(self, state_dict)
+        loaded(self)
 
     def _get_iterator(self):
         if self.num_workers == 0:

@@ -99,6 +99,8 @@ import torch.distributed as dist
 from torch.utils.data import get_worker_info
 from torch.utils.data.distributed import DistributedSampler as _TorchDistributedSampler
 
+from ._chunked_sampler import chunks
+
 __all__ = [
     "DistributedSampler",
     "merge_states",
@@ -154,14 +156,16 @@ class DistributedSampler(_TorchDistributedSampler):
         rest, w = len(self.dataset) - start, self.num_replicas
         return (rest // w) * w if self.drop_last else -(-rest // w) * w
 
-    def _shard(self, start: int) -> list[int]:
+    def _shard(self, start: int) -> torch.Tensor:
         order = self._order()
         n, size = len(order), self._pass_size(start)
         indices = order[start : start + size]
         pad = size - len(indices)
         if pad > 0:  # the head of the epoch order, cycled, as torch pads
             indices = torch.cat([indices, order[torch.arange(pad) % n]])
-        return indices[self.rank :: self.num_replicas].tolist()
+        # This rank's share as a tensor of its own (8 bytes per index; the
+        # epoch's order is freed), made into Python ints a chunk at a time.
+        return indices[self.rank :: self.num_replicas].clone()
 
     def __iter__(self) -> Iterator[int]:
         start = 0 if self._resume_at is None else self._resume_at
@@ -170,8 +174,8 @@ class DistributedSampler(_TorchDistributedSampler):
         self._pass += 1
         return self._count(self._shard(start), self._pass)
 
-    def _count(self, indices: list[int], pass_id: int) -> Iterator[int]:
-        for index in indices:
+    def _count(self, indices: torch.Tensor, pass_id: int) -> Iterator[int]:
+        for index in chunks(indices):
             if pass_id == self._pass:
                 self._yielded += 1
             yield index

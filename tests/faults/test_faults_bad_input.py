@@ -1,6 +1,7 @@
-"""Bad input: nonsense constructor arguments fail at construction; a dataset
-whose ``__len__`` lies and a sampler that yields out-of-range indices fail with
-an error naming the index and ``len(dataset)``; an IterableDataset that yields
+"""Bad input: nonsense constructor arguments fail at construction; a sampler
+that yields out-of-range indices fails with an error naming the index and
+``len(dataset)``, while a lookup that fails for an index in range (a ``__len__``
+that lies, a dict inside ``__getitem__``) is torch's error alone; an IterableDataset that yields
 nothing warns (torch is silent; an empty dataset is legal, so no error).
 """
 import time
@@ -55,17 +56,38 @@ class LyingLength(Dataset):
         return torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9][i]])
 
 
+class DictLookup(Dataset):
+    """Looks each sample up by name; sample 5's name is missing, so an index in
+    range raises KeyError from the dataset's own dict."""
+
+    table = {f"img_{i}": i for i in range(10) if i != 5}
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return torch.tensor([self.table[f"img_{i}"]])
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_len_that_lies_names_index_and_length(num_workers):
+@pytest.mark.parametrize("dataset_cls", [LyingLength, DictLookup])
+def test_lookup_error_for_an_index_in_range_is_torchs_alone(dataset_cls, num_workers):
+    """The index was in range: the failed lookup may be the dataset's own, so
+    nothing blames the sampler or __len__; the error is torch's."""
     started = time.time()
-    failure = iterate_until_failure(DataLoader(LyingLength(), batch_size=4,
+    failure = iterate_until_failure(DataLoader(dataset_cls(), batch_size=4,
                                                num_workers=num_workers))
+    theirs = iterate_until_failure(torch.utils.data.DataLoader(dataset_cls(), batch_size=4,
+                                                               num_workers=num_workers))
     assert failure.raised_at - started < SURFACE_WITHIN
-    assert failure.type is IndexError, failure
-    msg = _with_notes(failure)
-    assert "dataset[10] raised IndexError, but len(dataset) is 12" in msg, msg
-    assert "__len__" in msg
+    assert failure.type is theirs.type, (failure, theirs)
+    assert failure.notes == theirs.notes == [], failure.notes
+    assert "len(dataset)" not in failure.message and "__len__" not in failure.message, failure
+    assert failure.message.splitlines()[0] == theirs.message.splitlines()[0]
+    assert failure.message.splitlines()[-1] == theirs.message.splitlines()[-1]
+    if num_workers == 0:
+        assert failure.message == theirs.message
 
 
 @pytest.mark.timeout(30)
@@ -90,13 +112,10 @@ def test_notes_reach_the_user_without_add_note(num_workers, monkeypatch):
     # must then travel in the message itself (workers are forked, so they see
     # the patched flag too).
     monkeypatch.setattr(_errors, "_NATIVE_NOTES", False)
-    failure = iterate_until_failure(DataLoader(LyingLength(), batch_size=4,
-                                               num_workers=num_workers))
-    assert failure.type is IndexError, failure
-    assert failure.notes == [], failure.notes
-    assert "dataset[10] raised IndexError, but len(dataset) is 12" in failure.message, failure
     loader = DataLoader(Tiny(), batch_size=2, sampler=[3, 4, 5, 17], num_workers=num_workers)
     failure = iterate_until_failure(loader)
+    assert failure.type is IndexError, failure
+    assert failure.notes == [], failure.notes
     assert "The sampler asked for index 17, but len(dataset) is 10" in failure.message, failure
 
 

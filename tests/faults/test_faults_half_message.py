@@ -42,7 +42,9 @@ def test_worker_killed_mid_write_never_hangs(tmp_path):
     del it
     fired_at, pid, worker_id = read_marker(marker)
     msg = failure.message
-    assert msg.startswith(f"DataLoader worker 0 (pid {pid}) exited unexpectedly"), msg
+    # torch's sentence first (its iterator's), then torchfeed's line naming the worker
+    assert msg.startswith(f"DataLoader worker (pid(s) {pid}) exited unexpectedly\n"), msg
+    assert f"\nWorker 0 (pid {pid}) " in msg, msg
     assert "was killed by signal SIGKILL" in msg, msg
     assert "died while writing a result" in msg, msg
     assert "so it was not restarted" in msg, msg

@@ -51,6 +51,28 @@ def test_restarted_epoch_equals_undisturbed_run(fault, loader_config, tmp_path, 
             assert torch.equal(a, b)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loader_config", MAP_CONFIGS, ids=lambda c: c.id, indirect=True)
+def test_restart_leaves_every_kept_batch_intact(loader_config, tmp_path, no_pin_warning):
+    """The user keeps every batch, as ``list(loader)`` does: the replacement
+    worker must not write into slots that hold them (it once started over at
+    the dead worker's first slot, over batch 0)."""
+    epochs = 2 if loader_config.persistent else 1
+    kwargs = dict(batch_size=2, num_workers=2, **loader_config.kwargs())
+    expected = _epochs(DataLoader(FaultyMap(n=64), **kwargs), epochs)
+    marker = str(tmp_path / "fired")
+    dataset = FaultyMap(n=64, fault="sigkill", at=21, marker=marker, once=True)
+    loader = DataLoader(dataset, max_worker_restarts=1, **kwargs)
+    with pytest.warns(RuntimeWarning, match="restarted it as pid"):
+        kept = [list(loader) for _ in range(epochs)]  # no copies: the batches themselves
+    assert os.path.exists(marker), "the fault never fired"
+    assert [len(e) for e in kept] == [len(e) for e in expected] == [32] * epochs
+    for got_epoch, expected_epoch in zip(kept, expected):
+        for a, b in zip(got_epoch, expected_epoch):
+            assert torch.equal(a, b), (a, b)
+    del loader, kept
+
+
 class TwoDeaths(FaultyMap):
     """SIGKILLs its worker at sample 21 and again at sample 45, once each."""
 
@@ -79,7 +101,9 @@ def test_restart_budget_runs_out(tmp_path):
     _, pid, worker_id = read_marker(markers[1])
     msg = failure.message
     assert failure.type is RuntimeError
-    assert msg.startswith(f"DataLoader worker {worker_id} (pid {pid}) exited unexpectedly"), msg
+    # torch's sentence first (its iterator's), then torchfeed's line naming the worker
+    assert msg.startswith(f"DataLoader worker (pid(s) {pid}) exited unexpectedly\n"), msg
+    assert f"\nWorker {worker_id} (pid {pid}) " in msg, msg
     assert "sample indices [44, 45, 46, 47]" in msg, msg
     assert (f"It was not restarted: all max_worker_restarts=1 restarts were used (worker "
             f"{first_worker} (pid {first_pid}) was killed by signal SIGKILL (9))") in msg, msg

@@ -1,6 +1,8 @@
 """Items 1-3: a worker that dies without a word (SIGKILL, SIGSEGV, os._exit).
 
-The error must name the worker id and pid, the signal or exit code, the
+The error starts with torch's sentences (its iterator's "DataLoader worker
+(pid(s) P) exited unexpectedly", then its signal handler's), then must name the
+worker id and pid, the signal or exit code, the
 batches and sample indices it had in flight, and what usually causes that
 death; it must surface within 5 s of the death, and leave nothing behind.
 """
@@ -18,6 +20,12 @@ CASES = {
     "segv": ("was killed by signal SIGSEGV (11)", ["native code", "num_workers=0"]),
     "exit3": ("exited with code 3", ["os._exit", "num_workers=0"]),
 }
+TORCH_SENTENCE = {  # torch's SIGCHLD handler's, the second line
+    "sigkill": "is killed by signal: Killed. ",
+    "segv": "is killed by signal: Segmentation fault. ",
+    "exit3": ("exited unexpectedly with exit code 3. Details are lost due to multiprocessing. "
+              "Rerunning with num_workers=0 may give better error trace."),
+}
 
 
 @pytest.mark.timeout(30)
@@ -34,7 +42,10 @@ def test_dead_worker_is_explained(fault, loader_config, tmp_path, no_pin_warning
     assert failure.type is RuntimeError, failure
     death, hint_words = CASES[fault]
     msg = failure.message
-    assert msg.startswith(f"DataLoader worker {worker_id} (pid {pid}) exited unexpectedly"), msg
+    # torch's sentence first (its iterator's), then torchfeed's line naming the worker
+    assert msg.startswith(f"DataLoader worker (pid(s) {pid}) exited unexpectedly\n"), msg
+    assert f"\nWorker {worker_id} (pid {pid}) " in msg, msg
+    assert msg.splitlines()[1] == f"DataLoader worker (pid {pid}) {TORCH_SENTENCE[fault]}", msg
     assert death in msg, msg
     assert "Hint:" in msg and all(w in msg for w in hint_words), msg
     # Sample 21 is in batch 5 either way: map-style batches are [20..23] and go

@@ -174,6 +174,9 @@ class TorchChannel:
             self._unpacker = _IdentityUnpacker()
         return self._unpacker
 
+    def renew(self, worker_id: int) -> None:
+        pass  # torch's reductions hold no slots a replacement could overwrite
+
     def stats(self):
         return self.unpacker().stats()
 

@@ -17,6 +17,12 @@ view of the batch dies (in whatever thread drops it), flips the slot's state
 byte back to FREE. ``discard(payload)`` frees a slot whose batch will never be
 built.
 
+Restarts: a worker replaced after a crash (``max_worker_restarts``) gets a
+fresh arena from ``ShmChannel.renew``, never the dead worker's, whose slots may
+hold batches the user keeps; the old arena's memory goes back as those die.
+Slot uids carry the arena's generation, so a stale message cannot be read
+from the new arena.
+
 Ending: ``Unpacker.close()`` gives back the memory of every slot no batch in
 the user's hands still uses, closes the descriptors, and frees the remaining
 slots as their batches die. If the main process is killed, the workers' exit
@@ -83,6 +89,7 @@ class ShmChannel:
         self._creator_pid = os.getpid()
         self._owner_pid = os.getpid()
         self._fds = []
+        self._generations = [0] * num_workers  # bumped when a worker's arena is renewed
         if disabled_warning is None:
             try:
                 for w in range(num_workers):
@@ -109,6 +116,26 @@ class ShmChannel:
         st["_owner_pid"] = os.getpid()
         self.__dict__.update(st)
         self._finalizer = weakref.finalize(self, _close_fds, self._fds, self._owner_pid)
+
+    def renew(self, worker_id: int) -> None:
+        """Give worker ``worker_id`` a fresh, empty arena (main process, before a
+        replacement worker starts).
+
+        A replacement starts its slots from scratch; in the dead worker's arena
+        it would write over batches the user still holds. The old arena's slots
+        that no batch uses are given back now, the rest when their batches die.
+        """
+        if self.disabled_warning is not None:
+            return
+        if os.getpid() != self._creator_pid:
+            raise RuntimeError("torchfeed: only the main process may renew an arena")
+        fd = _slots.create_arena(worker_id)
+        old, self._fds[worker_id] = self._fds[worker_id], fd
+        self._generations[worker_id] += 1
+        if self._unpacker is not None and not self._unpacker.closed:
+            self._unpacker.renew(worker_id, old)
+        elif old >= 0:
+            os.close(old)
 
     # -- worker side -------------------------------------------------------
     def packer(self, worker_id: int) -> "Packer":
@@ -162,7 +189,8 @@ class Packer:
         self.pool = None
         if fd is not None:
             self.pool = _slots.WorkerPool(fd, channel.budget // max(1, channel.num_workers),
-                                          channel.max_slots, channel.idle_batches)
+                                          channel.max_slots, channel.idle_batches,
+                                          channel._generations[worker_id])
             self._channel_budget = (channel.budget, channel.budget_source)
         self._collate = DirectCollate(self.pool)
 
@@ -205,7 +233,7 @@ class Packer:
                 self.pool.counters[_slots.C_FALLBACKS] += 1
                 return Plain(batch, self._warning(reason))
             if reserved is not None:  # the batch outgrew the reserved slot: copy it all
-                p = _layout.dump(batch)
+                p = _layout.dump(batch, 0, direct, copy_direct=True)
             _layout.copy_leaves(p.leaves, slot)
         c.expected_nbytes = need
         pool = self.pool
@@ -267,6 +295,10 @@ class Unpacker:
     def _slot(self, w, idx, uid, off, cap):
         entry = self._cache[w].get(idx)
         if entry is None or entry.uid != uid:
+            if _slots.uid_generation(uid) != self._channel._generations[w]:
+                raise RuntimeError(f"torchfeed transport: a batch from worker {w}'s previous "
+                                   "arena arrived after the arena was renewed (a bug; please "
+                                   "report it)")
             entry = _slots.MainSlot(self._fds[w], uid, off, cap,
                                     self._release_fn(self._ctrl[w].states, idx, cap))
             self._cache[w][idx] = entry
@@ -313,8 +345,9 @@ class Unpacker:
     def discard(self, payload) -> None:
         """Free the slot of a payload that will never be unpacked."""
         if type(payload) is tuple and not self.closed:
-            w, idx = payload[0], payload[1]
-            self._ctrl[w].states[idx] = _slots.FREE
+            w, idx, uid = payload[0], payload[1], payload[2]
+            if _slots.uid_generation(uid) == self._channel._generations[w]:
+                self._ctrl[w].states[idx] = _slots.FREE
 
     def stats(self) -> dict:
         """Slot counters summed over the workers, plus this process's view.
@@ -347,28 +380,47 @@ class Unpacker:
                 return
             self.closed = True
         for w, fd in enumerate(self._fds):
-            if fd < 0:
-                continue
-            keep = []
-            for entry in self._cache[w].values():
-                owner = entry.ref() if entry.ref is not None else None
-                if owner is not None:
-                    # Still in the user's hands: give its memory back when it dies.
-                    keep.append((entry.off, entry.cap))
-                    key = id(entry)
-                    _HELD_AFTER_CLOSE[key] = entry
-                    entry.release = None
-                    entry.ref = weakref.ref(owner, _punch_on_release(entry.map, key))
-                    del owner
-            _slots.punch(fd, keep)
+            if fd >= 0:
+                self._let_go(self._cache[w], fd, counted=False)
         self._cache = [dict() for _ in self._fds]
         self._ctrl = []
         self._channel._finalizer()
 
+    def renew(self, w: int, old_fd: int) -> None:
+        """Worker ``w`` has a fresh arena (``ShmChannel.renew``); let go of the old
+        one, whose descriptor ``old_fd`` this closes."""
+        cache, self._cache[w] = self._cache[w], {}
+        self._ctrl[w] = _slots.ControlBlock(self._fds[w])
+        if old_fd >= 0:
+            self._let_go(cache, old_fd, counted=True)
+            os.close(old_fd)
 
-def _punch_on_release(shared_map, key):
+    def _let_go(self, cache: dict, fd: int, counted: bool) -> None:
+        """Give back the memory of arena ``fd``: now for slots no batch uses, when
+        its batch dies for each slot still in the user's hands. ``counted``: those
+        batches still count in ``in_use`` until they die."""
+        keep = []
+        for entry in cache.values():
+            owner = entry.ref() if entry.ref is not None else None
+            if owner is not None:
+                keep.append((entry.off, entry.cap))
+                key = id(entry)
+                _HELD_AFTER_CLOSE[key] = entry
+                entry.release = None
+                unpacker = weakref.ref(self) if counted else None
+                entry.ref = weakref.ref(owner, _punch_on_release(entry.map, key, unpacker,
+                                                                 entry.cap))
+                del owner
+        _slots.punch(fd, keep)
+
+
+def _punch_on_release(shared_map, key, unpacker=None, cap=0):
     def release(_ref):
         _HELD_AFTER_CLOSE.pop(key, None)
+        self_ = unpacker() if unpacker is not None else None
+        if self_ is not None:
+            self_.in_use -= 1
+            self_.in_use_bytes -= cap
         try:
             shared_map.remove()
         except OSError:

@@ -48,6 +48,14 @@ REGION_ALIGN = 1 << 16
 FIRST_REGION = REGION_ALIGN
 FREE, IN_FLIGHT = 0, 1
 
+# A replacement worker (``max_worker_restarts``) gets a fresh arena; the uids of
+# its slots carry the arena's generation in their high bits.
+GENERATION_SHIFT = 40
+
+
+def uid_generation(uid: int) -> int:
+    return uid >> GENERATION_SHIFT
+
 # int64 counters at byte 8 of the control block, written by the worker only.
 C_ALLOCATIONS, C_RETIRED, C_BYTES, C_SLOTS, C_FALLBACKS, C_PACKED, C_DIRECT = range(7)
 N_COUNTERS = 7
@@ -180,7 +188,8 @@ class WorkerPool:
     it are given back first.
     """
 
-    def __init__(self, fd: int, budget: int, max_slots: int, idle_batches: int):
+    def __init__(self, fd: int, budget: int, max_slots: int, idle_batches: int,
+                 generation: int = 0):
         self.fd = fd
         self.ctrl = ControlBlock(fd)
         self.states = self.ctrl.states
@@ -194,7 +203,8 @@ class WorkerPool:
         self.end = FIRST_REGION
         self.bytes = 0
         self.tick = 0
-        self.uid = 0
+        # A slot's uid names its arena's generation too (see ``uid_generation``).
+        self.uid = generation << GENERATION_SHIFT
 
     def acquire(self, nbytes: int, exclude=None):
         """``(slot, None)``, or ``(None, reason)`` when no slot can be had."""

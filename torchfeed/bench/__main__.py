@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Sequence
 
-from .compare import BenchConfig, run_comparison
+from .compare import PEERS, BenchConfig, run_comparison
 from .report import command_line, format_report, machine_info, to_json
 from .workloads import WORKLOADS
 
@@ -18,6 +18,18 @@ def _workload_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"unknown workload(s) {', '.join(unknown) or '(none given)'}; "
             f"choose from {', '.join(WORKLOADS)}")
+    return names
+
+
+def _peer_list(text: str) -> list[str]:
+    if text.strip() == "none":
+        return []
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PEERS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown peer(s) {', '.join(unknown) or '(none given)'}; "
+            f"choose from {', '.join(PEERS)}, or none")
     return names
 
 
@@ -36,17 +48,30 @@ def _non_negative(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    workloads = "\n".join(f"  {w.name:<10} {w.description} ({w.batches} batches a run)"
-                          for w in WORKLOADS.values())
+    workloads = "\n".join(
+        f"  {w.name:<10} {w.description} ({w.batches} batches a run"
+        + (f"; needs {', '.join(w.requires)}" if w.requires else "") + ")"
+        for w in WORKLOADS.values())
+    peers = "\n".join(f"  {p.name:<10} {p.title} (pip install {p.pip})"
+                      for p in PEERS.values())
     parser = argparse.ArgumentParser(
         prog="python -m torchfeed.bench",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run synthetic workloads through torch.utils.data.DataLoader and "
-                    "torchfeed.DataLoader with the same arguments, alternating runs, and "
-                    "print the medians side by side with the ratio torchfeed/torch.",
-        epilog=f"workloads:\n{workloads}")
+        description="Run workloads through torch.utils.data.DataLoader, "
+                    "torchfeed.DataLoader and the installed peer loaders with the same "
+                    "arguments, rotating runs, and print the medians side by side with "
+                    "torchfeed's ratio to each.",
+        epilog=f"workloads:\n{workloads}\npeers (all optional: pip install "
+               f"'torchfeed[bench]'):\n{peers}\n\nThe jpeg and hf workloads write their "
+               "files once under $TORCHFEED_BENCH_CACHE, else $XDG_CACHE_HOME/torchfeed/bench, "
+               "else ~/.cache/torchfeed/bench.")
     parser.add_argument("--workloads", type=_workload_list, default=list(WORKLOADS),
-                        help="comma-separated workloads to run (default: all)")
+                        help="comma-separated workloads to run (default: all; one whose "
+                             "package is missing is skipped with a note)")
+    parser.add_argument("--peers", type=_peer_list, default=list(PEERS),
+                        help="comma-separated peer loaders to add as columns, or none "
+                             f"(default: {','.join(PEERS)}; one that is not installed is "
+                             "skipped with a note)")
     parser.add_argument("--num-workers", type=_non_negative, default=2,
                         help="num_workers for both loaders (default: 2)")
     parser.add_argument("--batches", type=_positive, default=None,
@@ -58,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--transport", choices=["torch", "shm"], default=None,
                         help="passed to torchfeed.DataLoader as transport=...; "
                              "left out when not given, so torchfeed uses its default")
+    parser.add_argument("--torch-threads", type=_positive, default=None,
+                        help="torch.set_num_threads() in this process for the run; with "
+                             "num_workers=0 the collate runs here, and on a busy machine "
+                             "torch's intra-op threads make torch@0 crawl (default: torch's "
+                             "own choice)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write machine-readable results to PATH")
     parser.add_argument("--no-baseline", action="store_true",
@@ -84,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress=not args.no_progress,
         quick=args.quick,
         baseline=not args.no_baseline,
+        peers=args.peers,
+        torch_threads=args.torch_threads,
         first_batch_runs=(args.first_batch_runs if args.first_batch_runs is not None
                           else (0 if args.quick else 6)),
     )

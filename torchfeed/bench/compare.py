@@ -1,7 +1,8 @@
-"""The side-by-side run: each workload through torch's DataLoader and torchfeed's.
+"""The side-by-side run: each workload through torch's DataLoader, torchfeed's and the peers'.
 
-Owns the experiment design: both loaders get the same dataset object and the
-same arguments; torch with ``num_workers=0`` runs beside them as the baseline
+Owns the experiment design: every loader gets the same dataset object and the
+same arguments; the peer loaders (:mod:`~torchfeed.bench.loaders`) that are
+installed run as more columns; torch with ``num_workers=0`` runs beside them as the baseline
 that workers must beat; the runs rotate (a different loader goes first on
 each repeat) so that a noisy neighbour or a warming cache hits all of them;
 each figure is the median over repeats; a loader that fails is reported, not
@@ -12,20 +13,19 @@ from __future__ import annotations
 import statistics
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import torch.utils.data
+import torch
 
 from .._progress import Progress
+from .loaders import (BASELINE, LOADERS, PEERS, TORCH, TORCHFEED, build_loader,
+                      loader_class, peer_note)
 from .measure import Timing, time_loader
 from .workloads import WORKLOADS, Workload
 
-TORCH = "torch"
-TORCHFEED = "torchfeed"
-LOADERS = (TORCH, TORCHFEED)
-# torch's DataLoader with num_workers=0: what turning workers on has to beat.
-# On a small machine torch's workers lose to it on light workloads.
-BASELINE = "torch@0"
+__all__ = ["BASELINE", "LOADERS", "METRICS", "PEERS", "TORCH", "TORCHFEED", "BenchConfig",
+           "LoaderFigures", "WorkloadResult", "describe_error", "loader_class",
+           "run_comparison"]
 
 # The figures that get a median and a ratio, with the direction that is better.
 METRICS: dict[str, str] = {
@@ -92,9 +92,14 @@ class WorkloadResult:
             **{name: figures.to_dict() for name, figures in self.figures.items()},
             "ratio": {m: self.ratio(m) for m in METRICS},
         }
+        peers = [name for name in self.figures if name in PEERS]
+        if peers:
+            data["ratio_vs_peers"] = {
+                peer: {m: self.ratio(m, TORCHFEED, peer) for m in METRICS} for peer in peers}
         if BASELINE in self.figures:
             data["batches_per_s_vs_num_workers_0"] = {
-                name: self.ratio("batches_per_s", name, BASELINE) for name in LOADERS}
+                name: self.ratio("batches_per_s", name, BASELINE)
+                for name in self.figures if name != BASELINE}
         return data
 
 
@@ -108,16 +113,36 @@ class BenchConfig:
     progress: bool = True
     quick: bool = False  # a tenth of each workload's default batches
     baseline: bool = True  # also time torch at num_workers=0 (when num_workers > 0)
-    first_batch_runs: int = 6  # more runs of torch and torchfeed that stop at the first batch
+    first_batch_runs: int = 6  # more runs of each compared loader that stop at the first batch
+    peers: Sequence[str] = ()  # peer columns to add where installed (names in PEERS)
+    # torch.set_num_threads() for the run: with num_workers=0 the collate runs in
+    # this process, and on a busy machine torch's spinning intra-op threads slowed
+    # torch@0's image batches over 20-fold (None: torch's own choice).
+    torch_threads: int | None = None
+
+    def compared(self) -> tuple[str, ...]:
+        """torch, torchfeed and the peers that can run here: the loaders compared
+        at the bench's ``num_workers``."""
+        return LOADERS + tuple(p for p in self.peers if peer_note(p, self.num_workers) is None)
 
     def loaders(self) -> tuple[str, ...]:
         if self.baseline and self.num_workers > 0:
-            return LOADERS + (BASELINE,)
-        return LOADERS
+            return self.compared() + (BASELINE,)
+        return self.compared()
+
+    def workloads_to_run(self) -> list[str]:
+        return [w for w in self.workloads if WORKLOADS[w].skip_note() is None]
+
+    def notes(self) -> list[str]:
+        """One line per peer column and per workload that this run skips, and why."""
+        notes = [note for p in self.peers if (note := peer_note(p, self.num_workers))]
+        return notes + [note for w in self.workloads if (note := WORKLOADS[w].skip_note())]
 
     def loader_kwargs(self, name: str, workload: Workload) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"batch_size": workload.batch_size,
                                   "num_workers": 0 if name == BASELINE else self.num_workers}
+        if workload.collate_fn is not None:
+            kwargs["collate_fn"] = workload.collate_fn
         # Only when asked: an unknown keyword must not reach a loader that lacks it.
         if name == TORCHFEED and self.transport is not None:
             kwargs["transport"] = self.transport
@@ -129,14 +154,6 @@ class BenchConfig:
         return max(3, workload.batches // 10) if self.quick else workload.batches
 
 
-def loader_class(name: str) -> Callable[..., Any]:
-    if name in (TORCH, BASELINE):
-        return torch.utils.data.DataLoader
-    import torchfeed  # late: a broken torchfeed must not stop torch's rows
-
-    return torchfeed.DataLoader
-
-
 def describe_error(exc: BaseException) -> str:
     last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
     where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
@@ -144,25 +161,35 @@ def describe_error(exc: BaseException) -> str:
 
 
 def run_comparison(config: BenchConfig) -> list[WorkloadResult]:
-    """Run every workload through both loaders ``config.repeats`` times each."""
+    """Run every workload through every loader ``config.repeats`` times each.
+
+    Workloads and peers whose packages are missing are left out;
+    ``config.notes()`` says which."""
     unknown = [w for w in config.workloads if w not in WORKLOADS]
+    unknown += [p for p in config.peers if p not in PEERS]
     if unknown:
-        raise ValueError(f"unknown workload(s) {', '.join(unknown)}; "
-                         f"choose from {', '.join(WORKLOADS)}")
+        raise ValueError(f"unknown workload(s) or peer(s) {', '.join(unknown)}; "
+                         f"choose from {', '.join(WORKLOADS)} and {', '.join(PEERS)}")
     results = []
-    steps = len(config.workloads) * ((config.repeats + 1) * len(config.loaders())
-                                     + config.first_batch_runs * len(LOADERS))
-    with Progress(steps, "torchfeed.bench", enabled=config.progress) as bar:
-        for name in config.workloads:
-            results.append(_run_workload(WORKLOADS[name], config, bar))
+    workloads = config.workloads_to_run()
+    steps = len(workloads) * ((config.repeats + 1) * len(config.loaders())
+                              + config.first_batch_runs * len(config.compared()))
+    threads = torch.get_num_threads()
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
+    try:
+        with Progress(steps, "torchfeed.bench", enabled=config.progress) as bar:
+            for name in workloads:
+                results.append(_run_workload(WORKLOADS[name], config, bar))
+    finally:
+        torch.set_num_threads(threads)
     return results
 
 
 def _time(name: str, config: BenchConfig, workload: Workload, dataset, batches: int) -> Timing:
     """One run of loader ``name`` on ``dataset``: its first batch, then ``batches`` more."""
-    cls = loader_class(name)
     kwargs = config.loader_kwargs(name, workload)
-    return time_loader(lambda: cls(dataset, **kwargs), batches=batches)
+    return time_loader(lambda: build_loader(name, dataset, kwargs), batches=batches)
 
 
 def _time_unless_failed(figures: LoaderFigures, name: str, config: BenchConfig,
@@ -204,9 +231,10 @@ def _run_workload(workload: Workload, config: BenchConfig, bar: Progress) -> Wor
             timing = _time_unless_failed(figures[name], name, config, workload, dataset, batches)
             if timing is not None:
                 figures[name].runs.append(timing)
+    compared = config.compared()
     for run in range(config.first_batch_runs):
-        order = LOADERS if run % 2 == 0 else LOADERS[::-1]
-        for name in order:
+        shift = run % len(compared)
+        for name in compared[shift:] + compared[:shift]:
             bar.step(f"{workload.name} {name} first batch {run + 1}/{config.first_batch_runs}")
             timing = _time_unless_failed(figures[name], name, config, workload, dataset, 0)
             if timing is not None:

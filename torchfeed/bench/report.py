@@ -14,7 +14,8 @@ from typing import Any, Sequence
 import numpy
 import torch
 
-from .compare import BASELINE, METRICS, TORCH, TORCHFEED, BenchConfig, WorkloadResult
+from .compare import (BASELINE, METRICS, PEERS, TORCH, TORCHFEED, BenchConfig,
+                      WorkloadResult)
 from .measure import cpu_count
 
 _MIB = 1 << 20
@@ -113,13 +114,21 @@ def _groups(results: Sequence[WorkloadResult]):
     return groups
 
 
-def format_table(results: Sequence[WorkloadResult]) -> str:
-    """One row per workload; for each figure torch's, torchfeed's and torchfeed/torch.
+def _peer_groups(results: Sequence[WorkloadResult], peers: Sequence[str]):
+    """The peer table's groups: for each figure, each peer's and torchfeed/peer."""
+    groups = []
+    for metric, title, direction, show in _COLUMNS:
+        heads, rows = [], [[] for _ in results]
+        for peer in peers:
+            heads += [peer, f"tf/{peer}"]
+            for row, r in zip(rows, results):
+                row += [_cell(r, peer, metric, show), _ratio_cell(r, metric, TORCHFEED, peer)]
+        groups.append((f"{title} ({direction.split()[0]}=better)", heads, rows))
+    return groups
 
-    With the num_workers=0 baseline measured, a last group shows torch's
-    batches/s at num_workers=0 and what each loader's workers make of it.
-    """
-    groups = _groups(results)
+
+def _render(results: Sequence[WorkloadResult], groups) -> str:
+    """One row per workload, the groups' columns side by side under their titles."""
     head2 = ["workload", "batch"] + [h for _, heads, _ in groups for h in heads]
     body = [[r.workload.name, str(r.workload.batch_size)]
             + [c for _, _, rows in groups for c in rows[i]] for i, r in enumerate(results)]
@@ -147,11 +156,35 @@ def format_table(results: Sequence[WorkloadResult]) -> str:
     return "\n".join(lines)
 
 
+def format_table(results: Sequence[WorkloadResult]) -> str:
+    """One row per workload; for each figure torch's, torchfeed's and torchfeed/torch.
+
+    With the num_workers=0 baseline measured, a last group shows torch's
+    batches/s at num_workers=0 and what each loader's workers make of it.
+    """
+    return _render(results, _groups(results))
+
+
+def peers_in(results: Sequence[WorkloadResult]) -> list[str]:
+    return [p for p in PEERS if any(p in r.figures for r in results)]
+
+
+def format_peer_table(results: Sequence[WorkloadResult]) -> str:
+    """The same figures for each peer column, with torchfeed's over the peer's ("" when
+    no peer ran)."""
+    peers = peers_in(results)
+    return _render(results, _peer_groups(results, peers)) if peers else ""
+
+
 def format_report(results: Sequence[WorkloadResult], config: BenchConfig,
                   info: dict[str, Any], command: str, end_load: float | None) -> str:
     transport = f", transport={config.transport!r}" if config.transport else ""
+    if config.torch_threads is not None:
+        transport += f", torch.set_num_threads({config.torch_threads})"
+    peers = peers_in(results)
+    peer_text = "".join(f", {PEERS[p].title}" for p in peers)
     lines = [
-        f"torchfeed.bench: torch.utils.data.DataLoader vs torchfeed.DataLoader, "
+        f"torchfeed.bench: torch.utils.data.DataLoader vs torchfeed.DataLoader{peer_text}, "
         f"num_workers={config.num_workers}{transport}, median of {config.repeats} run(s) each",
         f"machine: {describe_machine(info)}"
         + (f"; {end_load:.2f} at the end" if end_load is not None else ""),
@@ -159,6 +192,15 @@ def format_report(results: Sequence[WorkloadResult], config: BenchConfig,
         "",
         format_table(results),
         "",
+    ]
+    if peers:
+        lines += [
+            "peer loaders, in the same runs (tf/<peer> = torchfeed's figure / the peer's):",
+            "",
+            format_peer_table(results),
+            "",
+        ]
+    lines += [
         "tf/torch = torchfeed's figure / torch's. batches/s: above 1.00x means torchfeed is "
         "faster; first batch, main CPU and memory: below 1.00x means torchfeed is better.",
         "first batch: iter() to the first batch, worker start included"
@@ -174,6 +216,8 @@ def format_report(results: Sequence[WorkloadResult], config: BenchConfig,
                          "in the same run; torch/@0 and tf/@0 are each loader's batches/s with "
                          f"num_workers={config.num_workers} over it (above 1.00x: the workers "
                          "pay off).")
+    lines += [f"note: {note}" for note in config.notes()]
+    lines += [f"note: {PEERS[p].caveat}" for p in peers if PEERS[p].caveat]
     for result in results:
         for name, figures in result.figures.items():
             if figures.error:
@@ -197,6 +241,9 @@ def to_json(results: Sequence[WorkloadResult], config: BenchConfig,
             "repeats": config.repeats,
             "first_batch_runs": config.first_batch_runs,
             "transport": config.transport,
+            "torch_threads": config.torch_threads,
+            "peers": [p for p in config.peers if p in config.compared()],
+            "skipped": config.notes(),
             "baseline": BASELINE if BASELINE in config.loaders() else None,
         },
         "metrics": {m: f"{direction} is better" for m, direction in METRICS.items()},

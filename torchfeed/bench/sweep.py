@@ -42,6 +42,8 @@ class SweepRow:
 def _kwargs(workload: Workload, loader: str, workers: int,
             transport: str | None) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"batch_size": workload.batch_size, "num_workers": workers}
+    if workload.collate_fn is not None:
+        kwargs["collate_fn"] = workload.collate_fn
     if loader != TORCH and transport is not None:
         kwargs["transport"] = transport  # only torchfeed has it, and only when asked
     return kwargs
@@ -55,6 +57,9 @@ def run_sweep(workloads: Sequence[str], loaders: Sequence[str] = LOADERS,
     for name in workloads:
         if name not in WORKLOADS:
             raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+        note = WORKLOADS[name].skip_note()
+        if note is not None:
+            raise ValueError(note)
     for name in loaders:
         if name not in LOADERS:
             raise ValueError(f"unknown loader {name!r}; choose from {', '.join(LOADERS)}")

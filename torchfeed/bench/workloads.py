@@ -1,7 +1,9 @@
-"""The built-in synthetic workloads of ``python -m torchfeed.bench``.
+"""The built-in workloads of ``python -m torchfeed.bench``.
 
-Owns the datasets that stand in for real training data, and the default batch
-size and run length of each.  Every dataset is map-style, deterministic (same
+Owns the synthetic datasets that stand in for real training data, and the
+table of every workload (these and the real pipelines of
+:mod:`~torchfeed.bench.pipelines`) with its batch size, ``collate_fn``, run
+length and the optional modules it needs.  Every dataset is map-style, deterministic (same
 index, same sample, in any process), built in code from a seeded generator
 with nothing downloaded, and picklable, so it works under fork, spawn and
 forkserver alike.
@@ -17,11 +19,14 @@ so they double as ``module:factory`` targets for the tuner, for example
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from . import pipelines
+from .loaders import import_problem
 
 # Long enough for any tuner run; the bench sizes its datasets to the run.
 _DEFAULT_LENGTH = 1 << 20
@@ -170,16 +175,28 @@ class Workload:
 
     name: str
     description: str
-    make: Callable[[int], Dataset]
+    make: Callable[[int], Any]
     batch_size: int
     # Timed batches per run: at least about half a second for the fastest loader
     # on 2 cores (a run of 0.1 s is at the mercy of the scheduler: its ratios
-    # moved by 1.5x between two runs of the bench), a few seconds for torch's,
-    # so the default bench (5 workloads x 3 repeats x 3 loaders) takes 2-3 min.
+    # moved by 1.5x between two runs of the bench), a few seconds for torch's.
     batches: int
+    collate_fn: Callable | None = None  # None: the loader's default_collate
+    requires: tuple[str, ...] = ()  # modules the dataset imports; missing: skipped
 
-    def dataset(self, length: int) -> Dataset:
+    def dataset(self, length: int):
         return self.make(length)
+
+    def skip_note(self) -> str | None:
+        """The one line that says why this workload cannot run here, or None."""
+        for module in self.requires:
+            problem = import_problem(module)
+            if problem is not None:
+                return f"workload {self.name}: skipped, {problem} (pip install {_PIP[module]})"
+        return None
+
+
+_PIP = {"PIL": "pillow", "datasets": "datasets"}
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -194,6 +211,15 @@ WORKLOADS: dict[str, Workload] = {
                  NumpyRecordDataset, 64, 1500),
         Workload("cpu_heavy", "1-2 ms of Python compute per sample, batch 16",
                  CpuHeavyDataset, 16, 200),
+        Workload("jpeg", "JPEG files from disk: PIL decode, random-resized-crop 224, flip, "
+                 "CHW uint8, batch 32", pipelines.JpegFolderDataset, 32, 30,
+                 requires=("PIL",)),
+        Workload("text", "32-512 token ids per sample, padding collate_fn (input_ids, "
+                 "attention_mask, labels), batch 32", pipelines.TokenDataset, 32, 400,
+                 collate_fn=pipelines.pad_collate),
+        Workload("hf", "datasets.Dataset rows, with_format('torch'), memory-mapped: "
+                 "128 ids, mask, label, batch 64", pipelines.hf_dataset, 64, 300,
+                 requires=("datasets",)),
     ]
 }
 
@@ -221,3 +247,20 @@ def numpy_records() -> Dataset:
 def cpu_heavy() -> Dataset:
     """Factory for the tuner CLI: the ``cpu_heavy`` workload's dataset."""
     return CpuHeavyDataset()
+
+
+def jpeg() -> Dataset:
+    """Factory for the tuner CLI: the ``jpeg`` workload's dataset."""
+    return pipelines.JpegFolderDataset(_DEFAULT_LENGTH)
+
+
+def text() -> torch.utils.data.DataLoader:
+    """Factory for the tuner CLI: the ``text`` workload, as a loader that keeps its
+    padding ``collate_fn`` (the tuner keeps a loader's arguments)."""
+    return torch.utils.data.DataLoader(pipelines.TokenDataset(_DEFAULT_LENGTH),
+                                       batch_size=32, collate_fn=pipelines.pad_collate)
+
+
+def hf():
+    """Factory for the tuner CLI: the ``hf`` workload's dataset (65536 rows)."""
+    return pipelines.hf_dataset(1 << 16)

@@ -1,0 +1,308 @@
+"""Frameworks that rebuild loaders keep torchfeed through ``torchfeed.prepare``.
+
+Accelerate (one process here, two under torchrun with gloo in
+tests/_accelerate_ranks.py), the Hugging Face Trainer, and Ray Train on CPU with
+two workers and a worker failure (tests/_ray_train.py).  All of them are real:
+the [test] extra installs them.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchLoader
+from torch.utils.data import Dataset
+
+import torchfeed
+from torchfeed import frameworks
+
+HERE = Path(__file__).resolve().parent
+
+
+class Ids(Dataset):
+    def __init__(self, n=22):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([i])
+
+
+def ids(batches):
+    return [b.flatten().tolist() for b in batches]
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(frameworks, "_warned", set())
+
+
+# -- Accelerate, one process ----------------------------------------------------------
+@pytest.fixture
+def new_accelerator():
+    """A new Accelerator per call, as in a new process (Accelerate keeps singletons)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    def make():
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        return Accelerator(cpu=True)
+
+    yield make
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _through_accelerate(accelerator, loader_class, seed, **kw):
+    torch.manual_seed(seed)
+    loader = loader_class(Ids(), batch_size=4, shuffle=True, num_workers=2, **kw)
+    if loader_class is TorchLoader:
+        return loader, accelerator.prepare(loader)
+    return loader, torchfeed.prepare(accelerator.prepare, loader)
+
+
+@pytest.mark.timeout(90)
+def test_accelerate_keeps_torchfeed_and_round_trips_save_state(new_accelerator, tmp_path):
+    _, theirs = _through_accelerate(new_accelerator(), TorchLoader, seed=3)
+    expected = ids(theirs)
+
+    accelerator = new_accelerator()
+    loader, ours = _through_accelerate(accelerator, torchfeed.DataLoader, seed=3,
+                                       transport="shm")
+    assert type(ours.base_dataloader) is torchfeed.DataLoader  # what iterates
+    assert ours.base_dataloader.transport == "shm"
+    got = []
+    for step, batch in enumerate(ours):
+        assert batch.device == accelerator.device  # Accelerate still places the batches
+        got.append(batch.flatten().tolist())
+        if step == 1:
+            accelerator.save_state(str(tmp_path / "ckpt"))
+            saved = ours.state_dict()
+    assert got == expected
+    assert ours.stats()["batches_yielded"] == len(expected) == loader.stats()["batches_yielded"]
+    assert ours.stats()["transport"] == "shm"
+
+    # A new process: another global seed before prepare, so only the state restores the shuffle.
+    accelerator = new_accelerator()
+    _, resumed = _through_accelerate(accelerator, torchfeed.DataLoader, seed=99)
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    # What save_state would write now is the loaded position, not the fresh loader's.
+    assert resumed.state_dict()["batches_yielded"] == saved["batches_yielded"] == 2
+    assert ids(resumed) == expected[2:]
+
+
+def test_accelerate_stateful_dataloader_option_warns_and_keeps_torchfeed(fresh_warnings):
+    """Accelerate's use_stateful_dataloader builds torchdata's loader and takes its state
+    (drawing from the RNG) before torchfeed replaces it: torchfeed says so."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+            use_stateful_dataloader=True))
+        loader = torchfeed.DataLoader(Ids(), batch_size=4, shuffle=True)
+        with pytest.warns(UserWarning, match="Leave use_stateful_dataloader off"):
+            prepared = torchfeed.prepare(accelerator.prepare, loader)
+        assert type(prepared.base_dataloader) is torchfeed.DataLoader
+        assert sorted(i for batch in ids(prepared) for i in batch) == list(range(22))
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+# -- Accelerate, two processes (torchrun, gloo) ----------------------------------------
+def _launch(cmd, timeout):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # Own session: if the launcher is killed, its ranks and their workers go with it.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a failed launch
+        except ProcessLookupError:
+            pass
+    return proc.returncode, output
+
+
+@pytest.mark.timeout(200)
+def test_accelerate_two_processes_keep_torchfeed_and_resume(tmp_path):
+    code, output = _launch([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc_per_node=2", str(HERE / "_accelerate_ranks.py"),
+                            str(tmp_path)], timeout=180)
+    files = [tmp_path / f"rank{r}.json" for r in range(2)]
+    assert code == 0 and all(f.exists() for f in files), output[-6000:]
+    ranks = [json.loads(f.read_text()) for f in files]
+    for r, result in enumerate(ranks):
+        assert (result["rank"], result["world"]) == (r, 2)
+        assert result["engine"] == "torchfeed.dataloader"
+        assert result["torchfeed"] == result["torch"]  # Accelerate's own shard of each rank
+        assert result["stats"] == [len(result["torch"]), "shm", len(result["torch"])]
+        assert result["devices"][0] == ["cpu"] and result["devices"][1].startswith("cpu")
+        assert result["resumed"] == result["torch"][2:]
+    # the shards split the shuffled epoch: every sample once, evened out by wrapping
+    seen = sorted(i for result in ranks for batch in result["torch"] for i in batch)
+    assert set(seen) == set(range(38)) and len(seen) == 40
+
+
+# -- the fallbacks ----------------------------------------------------------------------
+def test_prepare_takes_a_torchfeed_loader():
+    with pytest.raises(TypeError, match="takes a torchfeed.DataLoader"):
+        torchfeed.prepare(lambda loader: loader, TorchLoader(Ids()))
+
+
+def test_prepare_warns_once_when_the_framework_result_is_unknown(fresh_warnings):
+    class Opaque:  # a framework product that holds no loader torchfeed can replace
+        def __init__(self, loader):
+            self.batches = list(TorchLoader(loader.dataset, batch_size=4))
+
+    loader = torchfeed.DataLoader(Ids(), batch_size=4)
+    with pytest.warns(UserWarning, match="torchfeed's iterator is not used") as record:
+        result = torchfeed.prepare(Opaque, loader)
+        torchfeed.prepare(Opaque, loader)
+    assert len(record) == 1 and type(result) is Opaque
+    assert "_prepared_as" not in vars(loader)
+
+
+def test_prepare_keeps_a_loader_the_framework_left_alone():
+    loader = torchfeed.DataLoader(Ids(), batch_size=4)
+    assert torchfeed.prepare(lambda loader: loader, loader) is loader
+    assert "_prepared_as" not in vars(loader)
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_state_dict_of_a_loader_a_framework_replaced_warns(monkeypatch, fresh_warnings, world):
+    """Several ranks, a map-style loader never iterated here, no distributed sampler:
+    the state of a loader that Ray or Accelerate rebuilt on torch's DataLoader."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", world)  # what torchrun and Ray Train set
+    loader = torchfeed.DataLoader(Ids(), batch_size=4, shuffle=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        state = loader.state_dict()
+    assert state["batches_yielded"] == 0
+    messages = [str(w.message) for w in record]
+    if world == "1":
+        assert messages == []
+    else:
+        assert len(messages) == 1 and "torchfeed.prepare(" in messages[0]
+        assert "restarts the epoch on resume" in messages[0]
+    # an iterated loader, or one with a distributed sampler, is not that case
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        next(iter(loader))
+        loader.state_dict()
+        sampler = torchfeed.DistributedSampler(Ids(), num_replicas=2, rank=0)
+        torchfeed.DataLoader(Ids(), batch_size=4, sampler=sampler).state_dict()
+
+
+# -- Ray Train: 2 CPU workers, a failure, a restart ------------------------------------
+@pytest.mark.timeout(300)
+def test_ray_train_keeps_torchfeed_and_resumes_exactly_after_a_failure(tmp_path):
+    code, output = _launch([sys.executable, str(HERE / "_ray_train.py"), str(tmp_path)],
+                           timeout=280)
+    fit = tmp_path / "fit.json"
+    assert code == 0 and fit.exists(), output[-6000:]
+    assert json.loads(fit.read_text()) == {"error": "None"}
+    union = []
+    for rank in range(2):
+        first, second = (json.loads((tmp_path / f"rank{rank}-attempt{a}.json").read_text())
+                         for a in (1, 2))
+        assert first["world"] == 2
+        expected = first["torch"]  # Ray's split of torch's loader for this rank
+        union += [i for batch in expected for i in batch]
+        # without torchfeed.prepare Ray runs torch's loader, and the stale state says so
+        assert first["plain_inner"] == "torch.utils.data.dataloader"
+        assert len(first["plain_state_warnings"]) == 1
+        assert "torchfeed.prepare(" in first["plain_state_warnings"][0]
+        # with it, every rank iterates torchfeed, keeping the options Ray drops
+        assert second["engine"][:3] == ["torchfeed.dataloader", True, 3]
+        assert second["engine"][4] == "shm"
+        # the samples trained across the failure equal the uninterrupted split
+        resumed_from = second["resumed_from"]
+        assert resumed_from is not None and 0 <= resumed_from < len(expected) - 1
+        trained = [b for step, b in first["steps"] if step <= resumed_from]
+        trained += [b for step, b in second["steps"]]
+        assert [s for s, _ in second["steps"]] == list(range(resumed_from + 1, len(expected)))
+        assert trained == expected
+        assert second["engine"][3] == len(expected) - resumed_from - 1  # stats of this attempt
+    assert sorted(union) == list(range(64))
+
+
+# -- the Hugging Face Trainer -----------------------------------------------------------
+class Pairs(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return {"x": torch.tensor([float(i)]), "labels": torch.tensor([2.0 * i])}
+
+
+class Tiny(torch.nn.Module):
+    """A one-weight regression that records the sample ids it trained on."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(1, 1)
+        self.seen = []
+
+    def forward(self, x, labels):
+        self.seen.append([int(v) for v in x.flatten().tolist()])
+        return {"loss": torch.nn.functional.mse_loss(self.linear(x), labels)}
+
+
+def _trainers():
+    """The stock Trainer, and the README's subclass as written there."""
+    import re
+
+    import transformers
+
+    readme = (HERE.parent / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+              if b.startswith("class TorchfeedTrainer(")]
+    assert len(blocks) == 1
+    namespace = {"transformers": transformers, "torchfeed": torchfeed}
+    exec(blocks[0], namespace)
+    return transformers.Trainer, namespace["TorchfeedTrainer"]
+
+
+def _train(trainer_class, out, resume_from=None):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=6,
+                             save_strategy="steps", save_steps=3, logging_strategy="no",
+                             report_to="none", use_cpu=True, dataloader_num_workers=1, seed=11,
+                             disable_tqdm=True)
+    model = Tiny()
+    trainer = trainer_class(model=model, args=args, train_dataset=Pairs())
+    trainer.train(resume_from_checkpoint=resume_from)
+    return model.seen, trainer
+
+
+@pytest.mark.timeout(120)
+def test_trainer_with_torchfeed_trains_on_the_stock_batches_and_resumes(tmp_path, new_accelerator):
+    stock_class, torchfeed_class = _trainers()
+    stock, _ = _train(stock_class, tmp_path / "stock")
+    seen, trainer = _train(torchfeed_class, tmp_path / "ours")
+    assert seen == stock and len(seen) == 6  # 16 samples: one epoch and a half
+    assert sorted(i for batch in seen[:4] for i in batch) == list(range(16))
+    engine = trainer.callback_handler.train_dataloader.base_dataloader
+    assert type(engine) is torchfeed.DataLoader
+    assert engine.stats()["batches_yielded"] >= 2  # the second epoch's (Accelerate reads ahead)
+    # from the checkpoint at step 3, inside the first epoch
+    resumed, _ = _train(torchfeed_class, tmp_path / "ours", tmp_path / "ours" / "checkpoint-3")
+    assert resumed == seen[3:]

@@ -1,0 +1,210 @@
+"""``torchfeed.prepare``: keep torchfeed inside the loaders that frameworks rebuild.
+
+Accelerate's ``Accelerator.prepare`` and Ray Train's ``prepare_data_loader``
+shard a loader per rank by rebuilding it as ``torch.utils.data.DataLoader(...)``
+with their own (batch) sampler, then wrap that in their own object (Accelerate's
+``DataLoaderShard``, which places batches on the device and tracks the end of the
+epoch; Ray's ``_WrappedDataLoader``, which moves batches to the device).  Both
+name torch's class, not ``type(loader)``, and neither has a hook for another
+class, so the import swap alone cannot survive them without patching them.
+
+One mechanism for all of them: let the framework prepare the loader as it
+always does, then put a ``torchfeed.DataLoader`` back where it put torch's,
+rebuilt from the framework's own (batch) sampler (so every rank deals exactly
+the framework's shard) and from the user's loader's other options (including
+the ones Ray drops: ``persistent_workers``, ``prefetch_factor`` and torchfeed's
+own).  The user's loader then answers ``state_dict()``, ``load_state_dict()``
+and ``stats()`` for the loader that actually runs.  Both wrappers read one batch
+ahead of the user; the state is the one the user has seen, not the look-ahead:
+Accelerate's ``DataLoaderShard`` snapshots it itself, and for Ray's wrapper the
+engine is fed through :class:`_Lookahead`, which snapshots it the same way.
+
+Where the framework's product is not recognised, the framework's loader runs
+and a warning names the supported way.  ``frameworks_warning`` covers the other
+silent loss: a ``state_dict()`` of a loader that a framework replaced without
+``torchfeed.prepare`` would say that nothing ran.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch.utils.data
+from torch.utils.data import IterableDataset
+
+SUPPORTED = ("pass the loader through torchfeed.prepare(framework_prepare, loader), e.g. "
+             "torchfeed.prepare(accelerator.prepare, loader) or "
+             "torchfeed.prepare(ray.train.torch.prepare_data_loader, loader); see the README, "
+             "\"Hugging Face Accelerate and Trainer\" and \"Ray Train\"")
+
+# torch's arguments that decide which indices a rank gets: always the framework's.
+_SAMPLING = ("dataset", "sampler", "batch_sampler", "batch_size", "drop_last")
+# Ray may wrap these for reproducibility (``enable_reproducibility``): the framework's.
+_FROM_FRAMEWORK = ("worker_init_fn", "generator")
+# The rest of torch's arguments, and torchfeed's: the user's loader's.
+_FROM_USER = ("num_workers", "collate_fn", "pin_memory", "timeout", "multiprocessing_context",
+              "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
+              "transport", "seed_per_batch", "snapshot_every_n_steps", "log_every",
+              "max_worker_restarts")
+
+_warned: set = set()
+
+
+def _warn_once(key, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def prepare(framework_prepare, loader, *args, **kwargs):
+    """``framework_prepare(loader, *args, **kwargs)``, with torchfeed still iterating.
+
+    ``framework_prepare`` is the framework's own call (``accelerator.prepare``,
+    ``ray.train.torch.prepare_data_loader``); its result is returned, with the
+    ``torch.utils.data.DataLoader`` it built replaced by a ``torchfeed.DataLoader``
+    that deals the same indices.  Afterwards ``loader.state_dict()``,
+    ``loader.load_state_dict()`` and ``loader.stats()`` refer to that loader.
+    """
+    from .dataloader import DataLoader
+
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"torchfeed.prepare() takes a torchfeed.DataLoader, got "
+                        f"{type(loader).__module__}.{type(loader).__qualname__}")
+    prepared = framework_prepare(loader, *args, **kwargs)
+    holder, slot, inner = _engine_slot(prepared)
+    if inner is loader or isinstance(inner, DataLoader):
+        engine = inner  # the framework kept the loader (it was already per-rank)
+    elif isinstance(inner, torch.utils.data.DataLoader):  # torch's, or torchdata's Stateful one
+        if type(inner) is not torch.utils.data.DataLoader:
+            _warn_once("stateful", (
+                f"torchfeed.prepare(): the framework built a {type(inner).__qualname__} and "
+                "took its state_dict() before torchfeed replaced it (Accelerate's "
+                "use_stateful_dataloader=True), which drew from the global RNG, so this "
+                "epoch's shuffle is not the one torch's loader would deal. Leave "
+                "use_stateful_dataloader off: with torchfeed.prepare, save_state and "
+                "load_state include the loader's exact state without it."))
+        engine = _rebuild(inner, loader)
+        if holder is None:
+            prepared = engine
+        else:
+            _install(holder, slot, engine)
+    else:
+        _warn_once(type(prepared), (
+            f"torchfeed.prepare(): {type(prepared).__module__}.{type(prepared).__qualname__} "
+            "holds no torch.utils.data.DataLoader that torchfeed knows how to replace, so "
+            "torchfeed's iterator is not used; this framework or version is not supported."))
+        return prepared
+    if engine is not loader:
+        loader._prepared_as = engine
+    return prepared
+
+
+def _engine_slot(prepared):
+    """``(holder, attribute, loader)``: where the framework keeps the loader that runs."""
+    own = getattr(prepared, "__dict__", {})
+    for slot in ("base_dataloader", "_dataloader"):  # Accelerate's adapters; Ray's wrapper
+        inner = own.get(slot)
+        if isinstance(inner, torch.utils.data.DataLoader):
+            return prepared, slot, inner
+    return None, None, prepared
+
+
+def _rebuild(inner, loader):
+    """A torchfeed loader dealing ``inner``'s indices with ``loader``'s options."""
+    from .dataloader import DataLoader
+
+    kwargs = {name: getattr(loader, name) for name in _FROM_USER}
+    kwargs.update({name: getattr(inner, name) for name in _FROM_FRAMEWORK})
+    if kwargs["num_workers"] == 0:
+        kwargs["prefetch_factor"] = None  # torch refuses one without workers
+    if not isinstance(inner.dataset, IterableDataset):
+        if inner.batch_size is None and inner.batch_sampler is not None:
+            kwargs["batch_sampler"] = inner.batch_sampler  # the framework's own
+        else:
+            kwargs["sampler"] = inner.sampler
+    if "batch_sampler" not in kwargs:
+        kwargs.update(batch_size=inner.batch_size, drop_last=inner.drop_last)
+    return DataLoader(inner.dataset, **kwargs)
+
+
+def _install(holder, slot, engine) -> None:
+    if slot == "base_dataloader":
+        # Accelerate's adapter: its state_dict() is the snapshot it takes before each
+        # look-ahead (exact), and save_state/load_state include loaders that say
+        # use_stateful_dataloader.  Its snapshot starts as the fresh loader's state.
+        holder.dl_state_dict = engine.state_dict()
+        holder.use_stateful_dataloader = True
+        engine._framework_snapshot = weakref.ref(holder)
+        setattr(holder, slot, engine)
+    else:
+        setattr(holder, slot, _Lookahead(engine))
+
+
+class _Lookahead:
+    """Feeds a loader to a wrapper that reads one batch ahead of the user (Ray's).
+
+    Before each batch is taken from the loader, the loader's state is noted: it is
+    what the user has consumed while that batch waits in the wrapper.  When the
+    loader is exhausted, the user has everything it yielded.
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def __len__(self) -> int:
+        return len(self.engine)
+
+    def __iter__(self):
+        engine = self.engine
+        iterator = iter(engine)
+        try:
+            while True:
+                engine._user_state = engine._own_state_dict()
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+                yield batch
+        finally:
+            engine._user_state = None
+
+
+def frameworks_warning(loader) -> None:
+    """Warn once if ``loader``'s state says nothing ran, likely because a framework replaced it.
+
+    The signature of that loss: a map-style loader never iterated in this
+    process, without a distributed sampler, while ``torch.distributed`` runs
+    several ranks (Ray Train rebuilds exactly those, Accelerate every loader).
+    """
+    from ._state import ResumeBook
+    from .distributed import rank_and_world_size
+
+    book = ResumeBook.of(loader)
+    if book.live is not None or isinstance(loader.dataset, IterableDataset):
+        return
+    if rank_and_world_size()[1] <= 1 or _is_distributed(loader):
+        return
+    _warn_once("state_dict", (
+        "DataLoader.state_dict() of a loader that has not been iterated in this process, "
+        "while torch.distributed runs several ranks and its sampler is not distributed: if a "
+        "framework (Accelerate's prepare, Ray Train's prepare_data_loader) rebuilt it on "
+        "torch's DataLoader, torchfeed's iterator did not run and this state restarts the "
+        f"epoch on resume. To keep torchfeed and resume exactly, {SUPPORTED}."))
+
+
+def _is_distributed(loader) -> bool:
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler, batch_sampler = loader.sampler, loader.batch_sampler
+    inner = getattr(batch_sampler, "sampler", None)
+    return any(isinstance(s, DistributedSampler) or hasattr(s, "num_replicas")
+               or hasattr(s, "num_processes") for s in (sampler, batch_sampler, inner))
+
+
+def loaded(loader) -> None:
+    """After ``load_state_dict``: what a framework's wrapper reports is the loaded state."""
+    loader._user_state = None
+    snapshot = loader.__dict__.get("_framework_snapshot")
+    holder = snapshot() if snapshot is not None else None
+    if holder is not None:  # Accelerate's adapter would report its stale snapshot until iter()
+        holder.dl_state_dict = loader.state_dict()
