@@ -130,6 +130,8 @@ class Faulty(Dataset):
                 raise ValueError(f"sample {i} is corrupt")
             if self.how == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "sigbus":  # what a worker out of shared memory dies of
+                os.kill(os.getpid(), signal.SIGBUS)
             if self.how == "segfault":
                 import ctypes
                 ctypes.string_at(0)
@@ -181,8 +183,10 @@ def test_exception_in_a_worker_is_caught_in_torchs_words(where):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("how, signame", [("sigkill", "Killed"),
-                                          ("segfault", "Segmentation fault")])
+@pytest.mark.parametrize("how, signame", [
+    ("sigkill", "Killed"), ("segfault", "Segmentation fault"),
+    ("sigbus", "Bus error. It is possible that dataloader's workers are out of shared memory. "
+               "Please try to raise your shared memory limit.")])
 def test_worker_killed_by_a_signal_in_torchs_words(how, signame):
     """torch: its SIGCHLD handler raises "DataLoader worker (pid P) is killed
     by signal: <strsignal>. ", and its iterator raises "DataLoader worker
@@ -190,13 +194,14 @@ def test_worker_killed_by_a_signal_in_torchs_words(how, signame):
     first, the handler's second, then torchfeed's lines."""
     (theirs, _, theirs_text), (ours, _, _) = both(Faulty(how), batch_size=2, num_workers=2)
     assert type(theirs) is type(ours) is RuntimeError
-    assert re.search(KILLED_BY_SIGNAL + re.escape(f"{signame}. "), theirs_text), theirs_text
+    sentence = signame if how == "sigbus" else f"{signame}. "
+    assert re.search(KILLED_BY_SIGNAL + re.escape(sentence), theirs_text), theirs_text
     lines = str(ours).splitlines()
     pid = re.fullmatch(r"DataLoader worker \(pid\(s\) (\d+)\) exited unexpectedly", lines[0])
     assert pid, ours
     pid = pid.group(1)
     assert re.match(EXITED_UNEXPECTEDLY, lines[0])
-    assert lines[1] == f"DataLoader worker (pid {pid}) is killed by signal: {signame}. ", ours
+    assert lines[1] == f"DataLoader worker (pid {pid}) is killed by signal: {sentence}", ours
     assert re.match(KILLED_BY_SIGNAL, lines[1])
     assert lines[2].startswith(f"Worker 0 (pid {pid}) was killed by signal SIG"), ours
     assert "batch 2 (sample indices [4, 5])" in str(ours)
