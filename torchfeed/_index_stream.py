@@ -33,15 +33,10 @@ from torch.utils.data import IterableDataset
 
 from ._chunked_sampler import iterate
 from ._datapipes import SharedSeed, is_iter_datapipe
-<<<<<<< HEAD
-from ._rng import draw_base_seed, drawing_from, encode_rng, replaying
-from ._stateful import is_stateful
-from ._sampler_state import (epoch_state, sampler_generators, saved_sampler_epoch,
-=======
 from ._rng import draw_base_seed, drawing_from, encode_host_rngs, encode_rng, replaying
 from ._replay import Replay
+from ._stateful import is_stateful
 from ._sampler_state import (epoch_state, may_draw_host_rngs, private_rngs, sampler_generators,
->>>>>>> main
                              stateful_sampler)
 
 WATCH_BATCHES = 32  # batches of an epoch checked for global-RNG draws by the sampler
@@ -75,17 +70,13 @@ class StatefulResult:
         return StatefulResult(pin_memory(self.value), self.state, self.ended, self.samples)
 
 
-<<<<<<< HEAD
 def has_worker_state(state: dict) -> bool:
     """A saved state holds some worker's dataset or iterator state."""
     return any(ws is not None for ws in state["worker_states"] or ()) or any(
         its is not None for its in state.get("iterator_states") or ())
 
 
-class IndexStream:
-=======
 class IndexStream(Replay):
->>>>>>> main
     """One iterator's index stream, epoch after epoch (persistent workers reuse it)."""
 
     def __init__(self, loader) -> None:

@@ -48,13 +48,9 @@ An epoch is at its end when it finished, or when every batch was yielded but
 nothing called ``next()`` again (a framework that knows ``len(loader)``, as
 Lightning does): ``load_state_dict`` counts the latter as finished too.
 
-<<<<<<< HEAD
-``next_epoch_global_rng``, ``sampler``, ``iterator_states`` and ``dataset_state``
-were added within version 1; a state without them loads as if they were None.
-=======
-``next_epoch_global_rng``, ``next_epoch_host_rng``, ``sampler`` and
-``epoch_start_rng["host"]`` were added within version 1; a state without them
-loads as if they were None.
+``next_epoch_global_rng``, ``next_epoch_host_rng``, ``sampler``,
+``epoch_start_rng["host"]``, ``iterator_states`` and ``dataset_state`` were added
+within version 1; a state without them loads as if they were None.
 
 A sampler that is not one of torch's and has no state of its own may shuffle
 with numpy's or Python's global RNG inside ``__iter__`` (a bucketing sampler):
@@ -63,7 +59,6 @@ for the replay only, as it does torch's.  ``state_dict()`` warns, once, when an
 epoch cannot be resumed exactly: the sampler owns a numpy or Python RNG object
 of its own (not in any checkpoint), or it drew from a global RNG while yielding
 batches after its first (checked on the first ``WATCH_BATCHES`` of an epoch).
->>>>>>> main
 
 RNG states are base64 strings of the generators' byte states.  ``load_state_dict``
 checks everything it can up front (``_state_validation.py``) and raises
@@ -107,13 +102,9 @@ from torch.utils.data import IterableDataset
 
 from ._index_stream import IndexStream, StatefulResult, has_worker_state
 from ._sampler_state import describe_sampler
-<<<<<<< HEAD
-from ._rng import encode_rng
+from ._rng import encode_host_rngs, encode_rng
 from ._stateful import check
 from ._streaming_adapters import adapter_for
-=======
-from ._rng import encode_host_rngs, encode_rng
->>>>>>> main
 from ._state_validation import KIND, VERSION, check_finished, check_position, validate
 from .distributed import rank_and_world_size
 
@@ -122,11 +113,7 @@ class Plan:
     """What the next epoch started on a loader is: its number, and what to restore."""
 
     __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted", "global_rng",
-<<<<<<< HEAD
-                 "next", "iterator_states")
-=======
-                 "host_rng", "next")
->>>>>>> main
+                 "host_rng", "next", "iterator_states")
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__}
@@ -136,11 +123,8 @@ class Plan:
             setattr(self, name, value)
 
     def __init__(self, epoch: int, state=None, base_seed=None, worker_states=None,
-<<<<<<< HEAD
-                 exhausted=(), global_rng=None, next=None, iterator_states=None) -> None:
-=======
-                 exhausted=(), global_rng=None, host_rng=None, next=None) -> None:
->>>>>>> main
+                 exhausted=(), global_rng=None, host_rng=None, next=None,
+                 iterator_states=None) -> None:
         self.epoch = epoch
         self.state = state                  # a state whose epoch this one continues
         self.base_seed = base_seed          # persistent workers keep one base seed
@@ -200,11 +184,7 @@ class ResumeBook:
         # like torch's loader, the copy's next iter() starts an epoch.
         return {"live": None, "next_epoch": self.next_epoch, "plan": self.plan,
                 "loaded": self.loaded, "_header": self.header, "_dataset": None,
-<<<<<<< HEAD
-                "adapter": self.adapter}
-=======
-                "warned": self.warned}
->>>>>>> main
+                "warned": self.warned, "adapter": self.adapter}
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
@@ -245,14 +225,9 @@ def state_dict(loader) -> dict:
         state.update(epoch=book.next_epoch, epoch_finished=False, batches_yielded=0,
                      samples_yielded=0, out_of_order_yielded=[], base_seed=None,
                      draws_base_seed=True, epoch_start_rng=None, sampler_state=None,
-<<<<<<< HEAD
                      worker_states=None, iterator_states=None, dataset_state=None,
                      exhausted_workers=[], next_worker=0,
-                     next_epoch_global_rng=None)
-=======
-                     worker_states=None, exhausted_workers=[], next_worker=0,
                      next_epoch_global_rng=None, next_epoch_host_rng=None)
->>>>>>> main
         return state
     state["epoch"] = s.epoch
     state["epoch_finished"] = s.finished
@@ -271,17 +246,6 @@ def state_dict(loader) -> dict:
     state["next_worker"] = s.first_worker
     # Only a state at the end of an epoch pays for the encoding; a state inside an
     # epoch replays that epoch from epoch_start_rng instead.
-<<<<<<< HEAD
-    state["next_epoch_global_rng"] = (encode_rng(torch.get_rng_state()) if s.at_end()
-                                      else None)
-    state["dataset_state"] = None
-    adapter = book.adapter
-    if adapter is not None:  # asked for now, never per batch
-        library_state, reread = adapter.state(
-            s, loader.num_workers == 0 or bool(loader.persistent_workers), loader)
-        state["dataset_state"] = {"library": adapter.library, "state": library_state,
-                                  "reread": reread}
-=======
     at_end = s.at_end()
     state["next_epoch_global_rng"] = encode_rng(torch.get_rng_state()) if at_end else None
     state["next_epoch_host_rng"] = encode_host_rngs() if at_end and s.host else None
@@ -290,7 +254,13 @@ def state_dict(loader) -> dict:
         book.warned = True
         warnings.warn(f"this DataLoader state cannot resume the epoch exactly: {reason}.",
                       stacklevel=3)
->>>>>>> main
+    state["dataset_state"] = None
+    adapter = book.adapter
+    if adapter is not None:  # asked for now, never per batch
+        library_state, reread = adapter.state(
+            s, loader.num_workers == 0 or bool(loader.persistent_workers), loader)
+        state["dataset_state"] = {"library": adapter.library, "state": library_state,
+                                  "reread": reread}
     return state
 
 
