@@ -134,6 +134,7 @@ class IndexStream(Replay):
         except BaseException:
             undo()  # a loaded state that failed to apply stays pending: no silent new epoch
             raise
+        self.book.undo_start = undo  # the iterator may still fail to start (_state.starting)
 
     def _open(self, plan, fresh: bool, previous) -> None:
         self.epoch = plan.epoch

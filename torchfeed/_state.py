@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from contextlib import contextmanager
 
 import torch
 from torch.utils.data import IterableDataset
@@ -143,6 +144,8 @@ _LEN_UNKNOWN = object()  # len(dataset) not asked for yet
 
 class ResumeBook:
     """Per-loader book-keeping: the live index stream, the epoch count, a loaded state."""
+
+    undo_start = None  # set while an iter() is starting an epoch (see starting())
 
     def __init__(self, loader) -> None:
         self.live = None      # the IndexStream of the latest epoch started
@@ -212,6 +215,23 @@ class ResumeBook:
         self.live = stream
         self.next_epoch = plan.epoch + 1
         return plan
+
+
+@contextmanager
+def starting(loader):
+    """Around ``iter(loader)``: an iterator that fails to start after its epoch began
+    (a worker that cannot be started, a dataset's ``__iter__`` raising) did not start
+    the epoch, so a loaded state stays pending and the next ``iter()`` tries it again."""
+    book = ResumeBook.of(loader)
+    book.undo_start = None
+    try:
+        yield
+    except BaseException:
+        if book.undo_start is not None:
+            book.undo_start()
+        raise
+    finally:
+        book.undo_start = None
 
 
 # -- state_dict ----------------------------------------------------------------
