@@ -361,8 +361,8 @@ def _warn_stateless(loader, state: dict, epoch: int) -> None:
     if reread == 0 and epoch == 0:
         return  # the start of the first epoch: nothing to restore
     name = type(loader.dataset).__name__
-    parts = [f"{name} and the iterator its __iter__ returns have no state_dict()/"
-             "load_state_dict() that can be called with no arguments, so torchfeed cannot "
+    parts = [f"{name} has no state_dict()/load_state_dict() that can be called with no "
+             "arguments, nor has the iterator its __iter__ returns, so torchfeed cannot "
              "restore their own state."]
     if reread:
         parts.append(f"Resuming reads the {reread} batches this epoch already yielded again "
