@@ -233,7 +233,10 @@ def check_resume(make, k: int, epochs: int, *, finished: bool = False, make_resu
     resumed.load_state_dict(state)
     if restore_global:
         torch.set_rng_state(global_rng)
-    if finished:
+    # A map-style state after an epoch's last batch is at that epoch's end, StopIteration
+    # or not: the resumed loader starts the next epoch.
+    at_end = j == len(full[epoch]) and not isinstance(resumed.dataset, IterableDataset)
+    if finished or at_end:
         got = run_epochs(resumed, epochs - epoch - 1, before_epoch, start=epoch + 1)
         expected = full[epoch + 1:]
     else:

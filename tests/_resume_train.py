@@ -58,7 +58,7 @@ def main() -> None:
 
     import time
     for epoch in range(start_epoch, args.epochs):
-        for ids, x in loader:
+        for i, (ids, x) in enumerate(loader):
             loss = ((model(x).squeeze(1) - ids.float() / 40) ** 2).mean()
             model.zero_grad()
             loss.backward()
@@ -69,9 +69,11 @@ def main() -> None:
             log.write(f"{step} {epoch} {' '.join(map(str, ids.tolist()))}\n")
             log.flush()
             if step % args.every == 0:
+                # After an epoch's last batch the loader's state is at that epoch's end:
+                # the resumed loop starts at the next epoch, as Lightning's does.
                 ck = {"model": model.state_dict(),
                       "loader": loader.state_dict(), "rng": torch.get_rng_state(),
-                      "step": step, "epoch": epoch}
+                      "step": step, "epoch": epoch + (i + 1 == len(loader))}
                 torch.save(ck, args.ckpt + ".tmp")
                 os.replace(args.ckpt + ".tmp", args.ckpt)
             if args.sleep:

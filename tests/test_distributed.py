@@ -655,4 +655,5 @@ def test_process_group_torch_sampler_resumes_only_at_the_saved_world_size(runs):
             assert "world size 2" in message and "world size 3" in message, message
             assert "torchfeed.DistributedSampler" in message
         assert before[0][f"{key}/save"]["state"]["sampler_state"] == {
-            "protocol": "set_epoch", "state": {"epoch": 1, "num_replicas": 2}}
+            "protocol": "set_epoch", "state": {"epoch": 1, "num_replicas": 2, "shuffle": True,
+                                               "seed": 1234, "drop_last": False}}

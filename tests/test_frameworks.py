@@ -99,6 +99,27 @@ def test_accelerate_keeps_torchfeed_and_round_trips_save_state(new_accelerator, 
     assert ids(resumed) == expected[2:]
 
 
+def test_accelerate_stateful_dataloader_option_warns_and_keeps_torchfeed(fresh_warnings):
+    """Accelerate's use_stateful_dataloader builds torchdata's loader and takes its state
+    (drawing from the RNG) before torchfeed replaces it: torchfeed says so."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+            use_stateful_dataloader=True))
+        loader = torchfeed.DataLoader(Ids(), batch_size=4, shuffle=True)
+        with pytest.warns(UserWarning, match="Leave use_stateful_dataloader off"):
+            prepared = torchfeed.prepare(accelerator.prepare, loader)
+        assert type(prepared.base_dataloader) is torchfeed.DataLoader
+        assert sorted(i for batch in ids(prepared) for i in batch) == list(range(22))
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
 # -- Accelerate, two processes (torchrun, gloo) ----------------------------------------
 def _launch(cmd, timeout):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -58,7 +58,8 @@ def test_resume_without_set_epoch_continues_the_saved_epoch(num_workers, rank):
     """The bug: a fresh sampler is at epoch 0, and the saved epoch's order was lost."""
     state, expected = saved_mid_epoch(rank=rank, num_workers=num_workers)
     assert state["sampler_state"] == {"protocol": "set_epoch",
-                                      "state": {"epoch": 3, "num_replicas": WORLD}}
+                                      "state": {"epoch": 3, "num_replicas": WORLD,
+                                                "shuffle": True, "seed": 5, "drop_last": False}}
     resumed = make(rank=rank, num_workers=num_workers)
     resumed.load_state_dict(state)  # no set_epoch call
     assert dist_sampler(resumed).epoch == 3

@@ -158,3 +158,46 @@ def test_a_small_view_of_a_big_storage_sends_only_what_it_reaches():
         assert w.untyped_storage().nbytes() == 8 << 20
         assert g.untyped_storage().nbytes() <= 128
     assert len(got) == len(want) == 6
+
+
+def pad_tensors(batch, *, collate_fn_map=None):
+    """torch's documented example: pad variable-length tensors, then stack."""
+    longest = max(t.shape[0] for t in batch)
+    return torch.stack([torch.nn.functional.pad(t, (0, longest - t.shape[0])) for t in batch])
+
+
+def double_arrays(batch, *, collate_fn_map=None):
+    return np.stack(batch) * 2
+
+
+class VariableLength(tud.Dataset):
+    """Tensors of varying length, and numpy arrays big enough to be streamed
+    into the slot (256 KiB each, 8 MiB per batch) were the map torch's own."""
+
+    def __init__(self, varying):
+        self.varying = varying
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return {"tokens": torch.arange(i % 7 + 1 if self.varying else 7) + i,
+                "image": np.full((256, 256), i, dtype=np.float32)}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("entry", [torch.Tensor, np.ndarray])
+def test_default_collate_fn_map_override_is_honoured_in_workers(entry, monkeypatch):
+    # The Tensor entry once went ignored (the in-slot stack replaced it); the
+    # np.ndarray entry guards the streaming path, which rewrites numpy samples.
+    monkeypatch.setitem(torch_collate.default_collate_fn_map, entry,
+                        pad_tensors if entry is torch.Tensor else double_arrays)
+    kwargs = dict(dataset=VariableLength(varying=entry is torch.Tensor), batch_size=32,
+                  num_workers=2)
+    want = list(tud.DataLoader(**kwargs))
+    got = list(torchfeed.DataLoader(**kwargs))
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        assert torch.equal(g["tokens"], w["tokens"]) and g["tokens"].shape[1] == 7
+        assert type(g["image"]) is type(w["image"])
+        assert (g["image"] == w["image"]).all()

@@ -79,6 +79,7 @@ class IterableFetcher:
         self.drop_last = drop_last
         self._iterator = None
         self.ended = False
+        self.last_size = None  # samples in the latest batch when it came up short, else None
         self._lazy = takes_sample_stream(collate_fn)
 
     def _stream(self):
@@ -105,6 +106,7 @@ class IterableFetcher:
             self.ended = True
             raise
         short = False
+        self.last_size = None
 
         def items(first):
             nonlocal short
@@ -116,6 +118,8 @@ class IterableFetcher:
                 yield sample
                 del sample
             short = taken < n  # reached only when the stream is drained
+            if short:
+                self.last_size = taken  # the batch is padded to n in no count
 
         samples = SampleStream(items(first), n)
         del first

@@ -17,113 +17,61 @@ At the start of each epoch the stream records what is needed to rebuild it:
 the states of the RNGs the sampler and the base seed draw from (the loader's
 ``generator``, the global torch RNG, and generators the sampler owns), the
 state of a sampler that has ``state_dict`` but no ``state_dict_at``, and the
-epoch of one that has only ``set_epoch`` (torch's ``DistributedSampler``).  A
+epoch of one that has only ``set_epoch`` (torch's ``DistributedSampler``); what
+a checkpoint keeps of the sampler is worked out in ``_sampler_state.py``.  A
 resume sets those RNGs back, remakes the sampler's iterator and skips the consumed
-positions without loading any data.  The global RNG is only ever touched inside
+positions without loading any data (``load_state_dict`` does it once first,
+``locate``, to check the state fits this loader's epoch).  The global RNG is only ever touched inside
 ``torch.random.fork_rng``, so the training loop's own randomness is left alone.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
-from torch.utils.data import BatchSampler, IterableDataset
+from torch.utils.data import IterableDataset
 
 from ._chunked_sampler import iterate
 from ._datapipes import SharedSeed, is_iter_datapipe
 from ._rng import draw_base_seed, drawing_from, encode_rng, replaying
+from ._sampler_state import (epoch_state, sampler_generators, saved_sampler_epoch,
+                             stateful_sampler)
 
 NO_STATE = object()  # a batch that came without a dataset state
 _NOTHING = object()
+
+
+def _advance(iterator, n):
+    """Take up to ``n`` items (all, for None) off ``iterator``; how many there were."""
+    count = 0
+    for _ in iterator if n is None else itertools.islice(iterator, n):
+        count += 1
+    return count
 
 
 class StatefulResult:
     """A batch and the state its worker's IterableDataset copy reported right after making it.
 
     ``ended``: making it hit the end of the worker's stream (a short last
-    batch), so the worker has nothing more this epoch.  The worker wraps the
-    transport's payload in one; the main process's unpacker rebuilds the batch
-    inside it; the state is recorded when the batch is yielded to the user, not
-    when it arrives.
+    batch), so the worker has nothing more this epoch.  ``samples``: how many
+    samples a short last batch holds (None: a full batch).  The worker wraps
+    the transport's payload in one (a dataset without state sends one only for
+    a short batch, with ``state`` None); the main process's unpacker rebuilds
+    the batch inside it; the state is recorded when the batch is yielded to the
+    user, not when it arrives.
     """
 
-    __slots__ = ("value", "state", "ended")
+    __slots__ = ("value", "state", "ended", "samples")
 
-    def __init__(self, value, state, ended: bool = False) -> None:
+    def __init__(self, value, state, ended: bool = False, samples=None) -> None:
         self.value = value
         self.state = state
         self.ended = ended
+        self.samples = samples
 
     def pin_memory(self):  # the pin-memory thread pins what is inside
         from ._pin_memory import pin_memory
-        return StatefulResult(pin_memory(self.value), self.state, self.ended)
-
-
-def stateful_sampler(index_sampler):
-    """(sampler, protocol) for the sampler whose state a checkpoint keeps, or (None, None).
-
-    ``"position"``: it has ``state_dict_at(consumed)`` (state after ``consumed`` of
-    its items were used) and ``load_state_dict``; ``"epoch_start"``: it has only
-    ``state_dict``/``load_state_dict``, captured when the epoch starts;
-    ``"set_epoch"``: no state of its own, but ``set_epoch`` and an int ``epoch``
-    (torch's ``DistributedSampler``), whose epoch and ``num_replicas`` are
-    captured when the epoch starts.  The sampler inside torch's own
-    ``BatchSampler`` counts too; other batch samplers may buffer, so only their
-    own methods are used.
-    """
-    candidates = [index_sampler]
-    if type(index_sampler) is BatchSampler:
-        candidates.append(index_sampler.sampler)
-    for candidate in candidates:
-        if not callable(getattr(candidate, "load_state_dict", None)):
-            continue
-        if callable(getattr(candidate, "state_dict_at", None)):
-            return candidate, "position"
-        if callable(getattr(candidate, "state_dict", None)):
-            return candidate, "epoch_start"
-    for candidate in candidates:
-        epoch = getattr(candidate, "epoch", None)
-        if callable(getattr(candidate, "set_epoch", None)) and isinstance(epoch, int) \
-                and not isinstance(epoch, bool):
-            return candidate, "set_epoch"
-    return None, None
-
-
-def epoch_state(sampler) -> dict:
-    """A ``"set_epoch"`` sampler's state: what its order depends on besides the dataset."""
-    replicas = getattr(sampler, "num_replicas", None)
-    return {"epoch": int(sampler.epoch),
-            "num_replicas": replicas if isinstance(replicas, int) else None}
-
-
-def _saved_sampler_epoch(state: dict):
-    """The epoch a ``"set_epoch"`` sampler was at in ``state``, or None for other samplers."""
-    sampler_state = state["sampler_state"]
-    if sampler_state is None or sampler_state["protocol"] != "set_epoch":
-        return None
-    return sampler_state["state"]["epoch"]
-
-
-def sampler_generators(index_sampler, loader_generator) -> list:
-    """torch.Generators the sampler and the samplers it wraps own, in a fixed order.
-
-    Wrapped: torch's BatchSampler's ``sampler``, and the ``batch_sampler`` inside
-    a sharding batch sampler (Accelerate's ``BatchSamplerShard``), whose shuffle
-    is drawn from the innermost sampler's generator.
-    """
-    found = []
-    for obj in _wrapped_samplers(index_sampler):
-        g = getattr(obj, "generator", None)
-        if isinstance(g, torch.Generator) and g is not loader_generator \
-                and all(g is not other for other in found):
-            found.append(g)
-    return found
-
-
-def _wrapped_samplers(index_sampler, depth: int = 4) -> list:
-    chain, obj = [], index_sampler
-    while obj is not None and len(chain) < depth:
-        chain.append(obj)
-        obj = getattr(obj, "sampler", None) or getattr(obj, "batch_sampler", None)
-    return chain
+        return StatefulResult(pin_memory(self.value), self.state, self.ended, self.samples)
 
 
 class IndexStream:
@@ -160,9 +108,22 @@ class IndexStream:
         otherwise persistent workers starting another epoch.
         """
         previous = self.book.live
-        if self.book.plan is not None and self.book.plan.state is not None:
-            self._check_sampler_epoch(self.book.plan.state)  # before the plan is used up
-        plan = self.book.begin(self)
+        pending = self.book.plan
+        if pending is not None and pending.state is not None:
+            if pending.next is not None and self.sampler.epoch != self.saved_sampler_epoch(
+                    pending.state):
+                pending = pending.next  # the loop went on to the next epoch
+            else:
+                self._check_sampler_epoch(pending.state)  # before the plan is used up
+        undo = self.book.undo_point()
+        plan = self.book.begin(self, pending)
+        try:
+            self._open(plan, fresh, previous)
+        except BaseException:
+            undo()  # a loaded state that failed to apply stays pending: no silent new epoch
+            raise
+
+    def _open(self, plan, fresh: bool, previous) -> None:
         self.epoch = plan.epoch
         self.finished = False
         self.batches_yielded = self.samples_yielded = 0
@@ -281,16 +242,21 @@ class IndexStream:
             self._next_pos = self.frontier
             self._peek()  # inside the replay, as the sampler may draw from the global RNG
 
+    def saved_sampler_epoch(self, state: dict):
+        """The epoch ``state`` names for this loader's sampler with ``set_epoch``, or None."""
+        return saved_sampler_epoch(state, self.sampler)
+
     def restore_sampler_epoch(self, state: dict) -> None:
-        """Give a ``"set_epoch"`` sampler the saved epoch, so a fresh one replays that
-        epoch's order even if the user's loop does not call ``set_epoch`` first."""
-        saved = _saved_sampler_epoch(state)
+        """Give a sampler with ``set_epoch`` the saved epoch, so a fresh one replays that
+        epoch's order even if the user's loop does not call ``set_epoch`` first, and
+        a later ``set_epoch`` to another epoch is seen (``_check_sampler_epoch``)."""
+        saved = saved_sampler_epoch(state, self.sampler)
         if saved is not None:
             self.sampler.set_epoch(saved)
 
     def _check_sampler_epoch(self, state: dict) -> None:
         """A mid-epoch state continues one epoch of the sampler's order: refuse another."""
-        saved = _saved_sampler_epoch(state)
+        saved = saved_sampler_epoch(state, self.sampler)
         if saved is None:
             return
         now = self.sampler.epoch
@@ -302,12 +268,14 @@ class IndexStream:
                 f"rest of epoch {saved} would be wrong. Call set_epoch({saved}) (or leave "
                 "the epoch load_state_dict set) to finish the checkpoint's epoch first")
 
-    def replay_to_end(self, state: dict) -> None:
+    def replay_to_end(self, state: dict):
         """Run a finished epoch's index stream to its end, loading nothing.
 
         Leaves the loader's and the sampler's generators, and a stateful
         sampler, exactly as the uninterrupted run left them, so the next
-        epoch draws the same shuffle.
+        epoch draws the same shuffle.  Returns the epoch's number of batches,
+        or None where the stream is not replayed (an IterableDataset, a
+        ``"position"`` sampler).
         """
         sampler_state = state["sampler_state"]
         with replaying(self.generator, self.generators, state["epoch_start_rng"]):
@@ -321,8 +289,36 @@ class IndexStream:
                     self._draw_shared_seed(keep=False)
             if not self.is_iterable and not (
                     sampler_state is not None and sampler_state["protocol"] == "position"):
-                for _ in it:
-                    pass
+                return _advance(it, None)
+        return None
+
+    def locate(self, state: dict) -> tuple[int, int]:
+        """Rebuild a map-style state's epoch up to its checkpoint, loading nothing.
+
+        Returns ``(frontier, found)``: the batches the checkpoint counts as
+        consumed in order, and how many of the positions up to the last one it
+        names (the frontier's next, or the last yielded out of order) the epoch
+        actually has.  ``found == frontier`` with nothing out of order: every
+        batch was yielded, and the RNGs and the sampler are then where
+        ``replay_to_end`` leaves them.  ``found`` short of what the state names:
+        the state points past the end of this loader's epoch.
+        """
+        ooo = sorted(p for p, _ in state["out_of_order_yielded"])
+        frontier = state["batches_yielded"] - len(ooo)
+        last = ooo[-1] if ooo else frontier  # the last position the check needs
+        sampler_state = state["sampler_state"]
+        protocol = None if sampler_state is None else sampler_state["protocol"]
+        with replaying(self.generator, self.generators, state["epoch_start_rng"]):
+            if protocol in ("position", "epoch_start"):
+                self.sampler.load_state_dict(sampler_state["state"])
+            self._draw_shared_seed(keep=False)  # the draws replay_to_end makes, in its order
+            it = iterate(self.index_sampler)
+            if state["draws_base_seed"]:
+                draw_base_seed(self.generator)
+                if self.num_workers > 0:
+                    self._draw_shared_seed(keep=False)
+            start = frontier if protocol == "position" else 0  # it resumes there itself
+            return frontier, start + _advance(it, last + 1 - start)
 
     # -- handing out positions ------------------------------------------------
     def next(self):
@@ -343,17 +339,19 @@ class IndexStream:
     def yielded(self, data, pos: int, indices, worker_id: int):
         """Record that the batch at ``pos`` goes to the user now; return the batch itself."""
         if type(data) is StatefulResult:
-            self.record_yield(pos, indices, worker_id, data.state, data.ended)
+            self.record_yield(pos, indices, worker_id,
+                              data.state if self.ships_state else NO_STATE, data.ended,
+                              data.samples)
             return data.value
         self.record_yield(pos, indices, worker_id)
         return data
 
     def record_yield(self, pos: int, indices, worker_id: int = 0, worker_state=NO_STATE,
-                     ended: bool = False) -> None:
+                     ended: bool = False, samples=None) -> None:
         if self.reread:  # a batch the checkpoint had already counted
             self.reread -= 1
             return
-        n = len(indices) if self.auto_collation else 1
+        n = samples if samples is not None else len(indices) if self.auto_collation else 1
         self.batches_yielded += 1
         self.samples_yielded += n
         if self.is_iterable:
@@ -372,6 +370,18 @@ class IndexStream:
         else:
             self.out_of_order[pos] = n
 
+    def record_failure(self, pos: int, indices, worker_id: int = 0) -> None:
+        """The batch at ``pos`` raised instead of reaching the user: it counts as consumed.
+
+        A loop that catches the error and goes on has moved past that batch,
+        as with torch, so a resume must not fetch it again; and the frontier
+        must move past it, or every later batch would be kept as yielded out of
+        order and the state would grow with the epoch.  An IterableDataset has
+        no positions to skip: its copy's stream has already moved on.
+        """
+        if not self.is_iterable:
+            self.record_yield(pos, indices, worker_id)
+
     def worker_ended(self, worker_id: int, state) -> None:
         """A worker's stream ended; ``state`` is its dataset's state after the end."""
         if self.ships_state:
@@ -383,6 +393,20 @@ class IndexStream:
         for worker_id, state in self.end_states.items():
             self.worker_states[worker_id] = state
         self.end_states.clear()
+
+    def at_end(self) -> bool:
+        """Whether the epoch is over for the user: it finished, or (map-style, in
+        order) it yielded as many batches as ``len()`` of its sampler says it has.
+        Decides only whether a state records the global RNG for the next epoch;
+        ``load_state_dict`` replays the stream to know for sure."""
+        if self.finished:
+            return True
+        if self.is_iterable or self.out_of_order or self.sampler_protocol == "position":
+            return False  # a "position" sampler's len() is what is left of its pass
+        try:
+            return self.batches_yielded == len(self.index_sampler)
+        except Exception:  # a sampler without __len__: then only the replay can tell
+            return False
 
     def _consumed_units(self) -> int:
         """Items of the stateful sampler consumed up to the frontier."""

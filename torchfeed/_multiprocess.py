@@ -83,7 +83,7 @@ class MultiProcessIterator(BaseIterator):
         self._result_queue = ctx.Queue()
         self._channel = create_channel(self._num_workers, ctx, loader)
         self._unpacker = self._channel.unpacker()
-        if self._stream.ships_state:
+        if self._is_iterable:  # batches may come with a dataset state or a short count
             self._unpacker = StatefulUnpacker(self._unpacker)
         self._receiver = ResultReceiver(self._result_queue, self._unpacker, self._stats,
                                         self._workers, self._workers_status)
@@ -322,6 +322,7 @@ class MultiProcessIterator(BaseIterator):
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
         if isinstance(data, WorkerFailure):
+            self._stream.record_failure(batch_index, indices, worker_id)
             data.reraise()
         return self._stream.yielded(data, batch_index, indices, worker_id)
 

@@ -75,10 +75,14 @@ class SingleProcessIterator(BaseIterator):
             if self._stream.ships_state:  # the state its end left the dataset in
                 self._stream.worker_ended(0, self._dataset.state_dict())
             raise
+        except Exception:
+            self._stream.record_failure(batch_index, indices)
+            raise
         state, ended = NO_STATE, False
         if self._stream.ships_state:  # the dataset's state right after this batch
             state, ended = self._dataset.state_dict(), self._fetcher.ended
         if self._pin_memory:
             data = pin_memory(data, self._pin_memory_device)
-        self._stream.record_yield(batch_index, indices, 0, state, ended)
+        samples = self._fetcher.last_size if self._is_iterable else None
+        self._stream.record_yield(batch_index, indices, 0, state, ended, samples)
         return data

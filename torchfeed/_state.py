@@ -30,18 +30,27 @@ The format (version 1), plain values only, so it survives ``json`` and
      "worker_states": [state | None, ...] | None,           # stateful IterableDataset only
      "exhausted_workers": [int, ...],  # their stream ended with the last batch yielded
      "next_worker": int,
-     "next_epoch_global_rng": str | None}  # epoch_finished only: the global RNG at state_dict()
+     "next_epoch_global_rng": str | None,  # at an epoch's end: the global RNG at state_dict()
+     "sampler": str | None}  # map-style: the kind of sampler, "BatchSampler(RandomSampler)"
 
-``next_epoch_global_rng`` was added within version 1; a state without it loads
-as if it were None.
+An epoch is at its end when it finished, or when every batch was yielded but
+nothing called ``next()`` again (a framework that knows ``len(loader)``, as
+Lightning does): ``load_state_dict`` counts the latter as finished too.
+
+``next_epoch_global_rng`` and ``sampler`` were added within version 1; a state
+without them loads as if they were None.
 
 RNG states are base64 strings of the generators' byte states.  ``load_state_dict``
 checks everything it can up front (``_state_validation.py``) and raises
 ``ValueError`` naming the field and both values; the state then takes effect
-at the next ``iter()``.  One exception: a finished epoch is replayed (indices
-only) inside ``load_state_dict``, so the loader's and the sampler's generators,
-and a stateful sampler, are where the uninterrupted run had them before the
-user's loop calls ``set_epoch`` again.  A sampler that has ``set_epoch`` but no
+at the next ``iter()``.  To check what only the sampler can tell (a position
+past the end of the epoch, an epoch with every batch yielded), a map-style
+state's epoch is replayed (indices only) up to its checkpoint inside
+``load_state_dict``, and again at ``iter()``; a refused state leaves the
+generators and the sampler's epoch as they were.  A finished epoch is replayed
+to its end there, so the loader's and the sampler's generators, and a stateful
+sampler, are where the uninterrupted run had them before the user's loop calls
+``set_epoch`` again.  A sampler that has ``set_epoch`` but no
 state (torch's ``DistributedSampler``) is set to the saved epoch there; a
 mid-epoch state then refuses, at ``iter()``, a sampler the user has since set to
 another epoch, and ``load_state_dict`` refuses one at another ``num_replicas``.
@@ -72,15 +81,17 @@ import torch
 from torch.utils.data import IterableDataset
 
 from ._index_stream import IndexStream, StatefulResult
+from ._sampler_state import describe_sampler
 from ._rng import encode_rng
-from ._state_validation import KIND, VERSION, validate
+from ._state_validation import KIND, VERSION, check_finished, check_position, validate
 from .distributed import rank_and_world_size
 
 
 class Plan:
     """What the next epoch started on a loader is: its number, and what to restore."""
 
-    __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted", "global_rng")
+    __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted", "global_rng",
+                 "next")
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__}
@@ -90,13 +101,16 @@ class Plan:
             setattr(self, name, value)
 
     def __init__(self, epoch: int, state=None, base_seed=None, worker_states=None,
-                 exhausted=(), global_rng=None) -> None:
+                 exhausted=(), global_rng=None, next=None) -> None:
         self.epoch = epoch
         self.state = state                  # a state whose epoch this one continues
         self.base_seed = base_seed          # persistent workers keep one base seed
         self.worker_states = worker_states  # IterableDataset states to load first
         self.exhausted = exhausted          # workers with nothing left this epoch
         self.global_rng = global_rng        # a new epoch's draws come from this global RNG
+        # A state with every batch yielded, for a sampler with set_epoch: the plan
+        # for the next epoch, taken if the sampler was set to another epoch since.
+        self.next = next
 
 
 _LEN_UNKNOWN = object()  # len(dataset) not asked for yet
@@ -123,6 +137,7 @@ class ResumeBook:
             "persistent_workers": bool(loader.persistent_workers),
             # an IterableDataset's per-rank stream only resumes at this world size
             "world_size": rank_and_world_size()[1] if iterable else None,
+            "sampler": None if iterable else describe_sampler(loader._index_sampler),
         }
 
     @property
@@ -153,8 +168,18 @@ class ResumeBook:
             book = loader.__dict__["_resume_book"] = ResumeBook(loader)
         return book
 
-    def begin(self, stream) -> Plan:
-        plan = self.plan if self.plan is not None else Plan(self.next_epoch)
+    def undo_point(self):
+        """What ``begin`` changes, to put back if the epoch then fails to start."""
+        saved = (self.plan, self.loaded, self.live, self.next_epoch)
+
+        def undo() -> None:
+            self.plan, self.loaded, self.live, self.next_epoch = saved
+        return undo
+
+    def begin(self, stream, plan: Plan | None = None) -> Plan:
+        """Start the epoch ``plan`` says (default: the pending one, else the next)."""
+        if plan is None:
+            plan = self.plan if self.plan is not None else Plan(self.next_epoch)
         self.plan = self.loaded = None
         self.live = stream
         self.next_epoch = plan.epoch + 1
@@ -188,9 +213,10 @@ def state_dict(loader) -> dict:
     state["worker_states"] = list(s.worker_states) if s.ships_state else None
     state["exhausted_workers"] = sorted(s.exhausted) if s.exhausted else []
     state["next_worker"] = s.first_worker
-    # Only a finished epoch's state pays for the encoding; a state inside an epoch
-    # replays that epoch from epoch_start_rng instead.
-    state["next_epoch_global_rng"] = encode_rng(torch.get_rng_state()) if s.finished else None
+    # Only a state at the end of an epoch pays for the encoding; a state inside an
+    # epoch replays that epoch from epoch_start_rng instead.
+    state["next_epoch_global_rng"] = (encode_rng(torch.get_rng_state()) if s.at_end()
+                                      else None)
     return state
 
 
@@ -201,6 +227,12 @@ def load_state_dict(loader, state) -> None:
     book = ResumeBook.of(loader)
     probe = IndexStream(loader)  # what this loader's stream looks like; starts nothing
     state = validate(state, book.header, loader, probe)
+    undo = _undo_point(loader, probe)
+    try:
+        plan = _plan(loader, probe, state)
+    except BaseException:
+        undo()  # a refused state leaves the loader as it was
+        raise
     # A persistent iterator still alive belongs to the old position.
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None:
@@ -208,32 +240,71 @@ def load_state_dict(loader, state) -> None:
         if shutdown is not None:
             shutdown()
         loader._iterator = None
-    epoch = state["epoch"]
-    carries = loader.num_workers == 0 or probe.persistent  # the same dataset copies go on
-    probe.restore_sampler_epoch(state)
-    if state["epoch_start_rng"] is None:  # saved before its epoch started
-        plan = Plan(epoch)
-    elif state["epoch_finished"]:
-        probe.replay_to_end(state)
-        plan = Plan(epoch + 1,
-                    base_seed=state["base_seed"] if probe.persistent else None,
-                    worker_states=state["worker_states"] if carries else None,
-                    global_rng=state["next_epoch_global_rng"])
-    else:
-        plan = Plan(epoch, state=state, worker_states=state["worker_states"],
-                    exhausted=tuple(state["exhausted_workers"]))
-        if probe.is_iterable and not probe.ships_state and state["batches_yielded"] > 0:
-            warnings.warn(
-                f"{type(loader.dataset).__name__} has no state_dict()/load_state_dict(), so "
-                f"resuming reads the {state['batches_yielded']} batches this epoch already "
-                "yielded again and drops them. Give the dataset state_dict() and "
-                "load_state_dict() to resume without re-reading.", stacklevel=3)
     book.plan, book.loaded, book.live = plan, state, None
     book.next_epoch = plan.epoch
 
 
+def _plan(loader, probe: IndexStream, state: dict) -> Plan:
+    """What the next iter() does with ``state``; raises ValueError if it cannot apply.
+
+    A map-style state inside an epoch is replayed up to its checkpoint here
+    (indices only), so one that points past the end of this loader's epoch is
+    refused now, and one with every batch yielded (a framework that knows
+    ``len(loader)`` never calls ``next()`` after the last) counts as finished.
+    """
+    epoch = state["epoch"]
+    carries = loader.num_workers == 0 or probe.persistent  # the same dataset copies go on
+    probe.restore_sampler_epoch(state)
+    if state["epoch_start_rng"] is None:  # saved before its epoch started
+        return Plan(epoch)
+    finished = state["epoch_finished"]
+    if finished:
+        check_finished(state, probe.replay_to_end(state))
+    elif not probe.is_iterable:
+        frontier, found = probe.locate(state)
+        # every batch yielded: locate left the RNGs and the sampler at the end
+        finished = check_position(state, frontier, found)
+    if finished:
+        after = Plan(epoch + 1,
+                     base_seed=state["base_seed"] if probe.persistent else None,
+                     worker_states=state["worker_states"] if carries else None,
+                     global_rng=state["next_epoch_global_rng"])
+        if state["epoch_finished"] or probe.saved_sampler_epoch(state) is None:
+            return after
+        # Every batch yielded, and the sampler has set_epoch: the loop tells which
+        # epoch it wants.  set_epoch(epoch + 1) before iter() (Lightning) starts it;
+        # left at the saved epoch (a loop that resumes its own epoch count), the
+        # saved epoch goes on, with nothing left in it, so no epoch is dealt twice.
+        return Plan(epoch, state=state, next=after)
+    if probe.is_iterable and not probe.ships_state and state["batches_yielded"] > 0:
+        warnings.warn(
+            f"{type(loader.dataset).__name__} has no state_dict()/load_state_dict(), so "
+            f"resuming reads the {state['batches_yielded']} batches this epoch already "
+            "yielded again and drops them. Give the dataset state_dict() and "
+            "load_state_dict() to resume without re-reading.", stacklevel=4)
+    return Plan(epoch, state=state, worker_states=state["worker_states"],
+                exhausted=tuple(state["exhausted_workers"]))
+
+
+def _undo_point(loader, probe: IndexStream):
+    """Put back what checking a state may move: the generators and the sampler's epoch."""
+    generators = [g for g in (loader.generator, *probe.generators) if g is not None]
+    states = [g.get_state() for g in generators]
+    sampler = probe.sampler
+    epoch = getattr(sampler, "epoch", None)
+
+    def undo() -> None:
+        for g, s in zip(generators, states):
+            g.set_state(s)
+        if epoch is not None and getattr(sampler, "epoch", None) != epoch \
+                and callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+    return undo
+
+
 class StatefulUnpacker:
-    """The transport's unpacker, which also lets batches carrying a worker's state through."""
+    """The transport's unpacker, which also lets an IterableDataset's batches through
+    when they carry a worker's state or a short batch's sample count."""
 
     def __init__(self, inner) -> None:
         self._inner = inner
@@ -241,7 +312,7 @@ class StatefulUnpacker:
     def unpack(self, payload):
         if type(payload) is StatefulResult:
             return StatefulResult(self._inner.unpack(payload.value), payload.state,
-                                   payload.ended)
+                                   payload.ended, payload.samples)
         return self._inner.unpack(payload)
 
     def discard(self, payload) -> None:

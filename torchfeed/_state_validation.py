@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from ._index_stream import IndexStream
+from ._sampler_state import ORDER_SETTINGS
 from .distributed import check_iterable_world_size
 
 VERSION = 1
@@ -30,7 +31,9 @@ _FIELDS = {
     "world_size": _OPT_INT,
 }
 # Added within version 1: a state saved before they existed lacks them and still loads.
-_OPTIONAL_FIELDS = {"next_epoch_global_rng": "str or None"}
+_OPTIONAL_FIELDS = {"next_epoch_global_rng": "str or None", "sampler": "str or None"}
+# torch's base seed is a random int64 drawn with random_(): it lies in [0, 2**63).
+BASE_SEED_RANGE = 2 ** 63
 
 
 def _fail(message: str):
@@ -82,6 +85,12 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
             _fail(f"field {field!r} is {state[field]!r} in the state but {header[field]!r} in "
                   "this DataLoader; build it with the same dataset, batch_size and drop_last "
                   "as the run that saved the state")
+    if state["sampler"] is not None and header["sampler"] is not None \
+            and state["sampler"] != header["sampler"]:
+        _fail(f"field 'sampler' is {state['sampler']!r} in the state but {header['sampler']!r} "
+              "in this DataLoader; the saved positions name other samples in another "
+              "sampler's order. Build the DataLoader with the same shuffle=, sampler= and "
+              "batch_sampler= as the run that saved the state")
     iterable = header["dataset_kind"] == "iterable"
     if iterable:
         try:
@@ -112,13 +121,17 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
     if rng is not None:
         _check_rng(rng, loader, probe)
     next_rng = state["next_epoch_global_rng"]
-    if next_rng is not None:
-        if not state["epoch_finished"]:
-            _fail("field 'next_epoch_global_rng' is set but 'epoch_finished' is False; only a "
-                  "state taken at the end of an epoch records it")
-        _check_rng_text("'next_epoch_global_rng'", next_rng, torch.get_rng_state())
+    if next_rng is not None:  # used only if the state turns out to be at its epoch's end
+        _check_rng_text("'next_epoch_global_rng'", next_rng, torch.default_generator)
+    if rng is None and (state["batches_yielded"] or state["epoch_finished"]):
+        _fail(f"field 'epoch_start_rng' is None (the epoch never started) but "
+              f"batches_yielded={state['batches_yielded']} and "
+              f"epoch_finished={state['epoch_finished']}; the state is corrupted")
     if state["base_seed"] is None and rng is not None:
         _fail("field 'base_seed' is None in a state whose epoch started")
+    if state["base_seed"] is not None and not 0 <= state["base_seed"] < BASE_SEED_RANGE:
+        _fail(f"field 'base_seed' is {state['base_seed']}, outside the range torch draws a "
+              f"DataLoader's base seed from, [0, 2**63); the state is corrupted")
     _check_sampler_state(state["sampler_state"], probe)
     _check_out_of_order_world_size(state["sampler_state"], pairs, probe)
     ws = state["worker_states"]
@@ -158,23 +171,31 @@ def _check_rng(rng: Mapping, loader, probe: IndexStream) -> None:
         n = len(samplers) if isinstance(samplers, (list, tuple)) else samplers
         _fail(f"field 'epoch_start_rng' has {n} sampler generator state(s) but this "
               f"DataLoader's sampler has {len(probe.generators)} generator(s)")
-    expected = [("global", rng["global"], torch.get_rng_state())]
+    expected = [("global", rng["global"], torch.default_generator)]
     if has_gen:
-        expected.append(("generator", rng["generator"], loader.generator.get_state()))
+        expected.append(("generator", rng["generator"], loader.generator))
     for i, (text, g) in enumerate(zip(samplers, probe.generators)):
-        expected.append((f"samplers[{i}]", text, g.get_state()))
-    for name, text, current in expected:
-        _check_rng_text(f"'epoch_start_rng'[{name!r}]", text, current)
+        expected.append((f"samplers[{i}]", text, g))
+    for name, text, generator in expected:
+        _check_rng_text(f"'epoch_start_rng'[{name!r}]", text, generator)
 
 
-def _check_rng_text(field: str, text, current) -> None:
+def _check_rng_text(field: str, text, generator: torch.Generator) -> None:
+    """The text must be a state that ``generator`` can load: torch checks more than the
+    length (an mt19937 state that fails its check is refused at ``set_state``)."""
     try:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, TypeError, ValueError):
         _fail(f"field {field} is not a base64 RNG state")
-    if len(raw) != current.numel():
+    size = generator.get_state().numel()
+    if len(raw) != size:
         _fail(f"field {field} holds {len(raw)} bytes but this generator's state is "
-              f"{current.numel()} bytes")
+              f"{size} bytes")
+    try:
+        torch.Generator(device=generator.device).set_state(
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    except RuntimeError as exc:
+        _fail(f"field {field} is not a state torch can load ({exc}); the state is corrupted")
 
 
 def _check_sampler_state(sampler_state, probe: IndexStream) -> None:
@@ -201,6 +222,12 @@ def _check_epoch_state(saved, sampler) -> None:
             or not _type_ok(saved.get("num_replicas"), _OPT_INT):
         _fail("field 'sampler_state' of protocol 'set_epoch' must hold {'epoch': int, "
               f"'num_replicas': int or None}}, got {saved!r}")
+    for name in ORDER_SETTINGS:  # recorded since they were added; absent in older states
+        theirs, mine = saved.get(name), getattr(sampler, name, None)
+        if name in saved and isinstance(mine, (bool, int)) and theirs != mine:
+            _fail(f"field 'sampler_state' was saved from a {type(sampler).__name__} with "
+                  f"{name}={theirs!r} but this one has {name}={mine!r}, which deals another "
+                  f"order; build it with the same shuffle, seed and drop_last")
     theirs, mine = saved["num_replicas"], getattr(sampler, "num_replicas", None)
     if theirs is not None and mine is not None and theirs != mine:
         _fail(f"field 'sampler_state' was saved at world size {theirs} (num_replicas) but "
@@ -223,3 +250,26 @@ def _check_out_of_order_world_size(sampler_state, pairs, probe: IndexStream) -> 
               f"(in_order=False) at world size {saved}; at world size {mine} the sampler "
               "re-deals the rest of the epoch, so those positions name other samples. Resume "
               f"at world size {saved}, or checkpoint with in_order=True")
+
+
+def check_position(state: Mapping, frontier: int, found: int) -> bool:
+    """The replayed epoch (``IndexStream.locate``) must reach the positions the state
+    names; returns True when every batch of the epoch was yielded."""
+    pairs = state["out_of_order_yielded"]
+    if found < frontier:
+        _fail(f"field 'batches_yielded' is {state['batches_yielded']} but this DataLoader's "
+              f"epoch {state['epoch']} has only {found} batches; the state was saved from a "
+              "loader over more data, or another sampler")
+    last = max(p for p, _ in pairs) if pairs else None
+    if last is not None and found <= last:
+        _fail(f"field 'out_of_order_yielded' names batch {last} but this DataLoader's epoch "
+              f"{state['epoch']} has only {found} batches")
+    return last is None and found == frontier
+
+
+def check_finished(state: Mapping, total) -> None:
+    """A finished epoch's state cannot count more batches than the replayed epoch has."""
+    if total is not None and state["batches_yielded"] > total:
+        _fail(f"field 'batches_yielded' is {state['batches_yielded']} but this DataLoader's "
+              f"epoch {state['epoch']} has only {total} batches; the state was saved from a "
+              "loader over more data, or another sampler")

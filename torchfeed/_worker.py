@@ -319,4 +319,7 @@ def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int,
         if find_unpicklable(batch) is not None:
             return _unsendable(exc, describe_unpicklable(batch), worker_id, task)
         return WorkerFailure(exc, worker_id, "packing", task.indices, task.batch_index)
-    return StatefulResult(payload, state, fetcher.ended) if spec.ships_state else payload
+    short = fetcher.last_size if spec.is_iterable else None  # the samples a short batch holds
+    if spec.ships_state or short is not None:
+        return StatefulResult(payload, state, fetcher.ended, short)
+    return payload

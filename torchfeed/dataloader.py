@@ -85,6 +85,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.log_every = resolve_log_every(log_every)
 
     def __iter__(self):
+        kept = self.__dict__.get("_iterator")
+        if kept is not None and getattr(kept, "_shutdown", False):
+            # A persistent iterator whose workers were stopped by an error (a
+            # worker died, the pin thread failed) that the user caught: torch
+            # would re-raise that error at every later iter(); start fresh workers.
+            self._iterator = None
         iterator = super().__iter__()
         iterator._stats.start_clock()  # when the user has it; counts began before any task
         self._stats_source = iterator._stats    # not the iterator: stats keep no worker alive

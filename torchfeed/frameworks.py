@@ -74,7 +74,15 @@ def prepare(framework_prepare, loader, *args, **kwargs):
     holder, slot, inner = _engine_slot(prepared)
     if inner is loader or isinstance(inner, DataLoader):
         engine = inner  # the framework kept the loader (it was already per-rank)
-    elif type(inner) is torch.utils.data.DataLoader:
+    elif isinstance(inner, torch.utils.data.DataLoader):  # torch's, or torchdata's Stateful one
+        if type(inner) is not torch.utils.data.DataLoader:
+            _warn_once("stateful", (
+                f"torchfeed.prepare(): the framework built a {type(inner).__qualname__} and "
+                "took its state_dict() before torchfeed replaced it (Accelerate's "
+                "use_stateful_dataloader=True), which drew from the global RNG, so this "
+                "epoch's shuffle is not the one torch's loader would deal. Leave "
+                "use_stateful_dataloader off: with torchfeed.prepare, save_state and "
+                "load_state include the loader's exact state without it."))
         engine = _rebuild(inner, loader)
         if holder is None:
             prepared = engine

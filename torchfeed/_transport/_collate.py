@@ -13,6 +13,13 @@ When there is no slot to stack into (first batch of a worker, or a batch
 bigger than the last one), the tensor is stacked into ordinary memory and the
 packer copies it: still never a fresh shared-memory segment.
 
+A user who extends ``default_collate`` the way torch documents, by replacing
+the ``torch.Tensor`` entry of ``default_collate_fn_map`` (to pad
+variable-length tensors, say), gets torch's ``default_collate`` with that map,
+unchanged: nothing is stacked into a slot or streamed, and the packer copies
+the result as for any collate function. Other entries (``np.ndarray``, custom
+types) are honoured on every path, since the map is copied per batch.
+
 Given a ``SampleStream`` rather than a list, the collate fetches the samples
 itself, one by one, and copies their big arrays into the slot as they arrive
 (``_stream.py``); the stacks of those arrays are then already done.
@@ -88,6 +95,10 @@ class DirectCollate:
     def __call__(self, samples):
         """``default_collate(samples)``, stacked into a slot where one is worth it."""
         self.reset(None)
+        torch_map = _torch_collate.default_collate_fn_map
+        if torch_map.get(torch.Tensor) is not _torch_collate.collate_tensor_fn:
+            # default_collate extended the documented way: run it as torch does.
+            return _torch_collate.collate(list(samples), collate_fn_map=torch_map)
         if self.pool is not None and self.expected_nbytes >= DIRECT_MIN_BYTES:
             self.reset(self.pool.acquire(self.expected_nbytes)[0])
         if type(samples) is SampleStream:

@@ -1,0 +1,120 @@
+"""What a checkpoint keeps of the loader's sampler, besides the RNG states it drew from.
+
+Which protocol a sampler follows (its own position, its own state at the
+epoch's start, or only an epoch set by ``set_epoch``), the epoch a state names
+for it, what kind of sampler it is (so a resume refuses another), and the
+``torch.Generator``s it owns.  ``_index_stream.py`` captures and replays them.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch.utils.data import BatchSampler, RandomSampler
+
+
+def stateful_sampler(index_sampler):
+    """(sampler, protocol) for the sampler whose state a checkpoint keeps, or (None, None).
+
+    ``"position"``: it has ``state_dict_at(consumed)`` (state after ``consumed`` of
+    its items were used) and ``load_state_dict``; ``"epoch_start"``: it has only
+    ``state_dict``/``load_state_dict``, captured when the epoch starts;
+    ``"set_epoch"``: no state of its own, but ``set_epoch`` and an int ``epoch``
+    (torch's ``DistributedSampler``), whose epoch and ``num_replicas`` are
+    captured when the epoch starts.  The sampler inside torch's own
+    ``BatchSampler`` counts too; other batch samplers may buffer, so only their
+    own methods are used.
+    """
+    candidates = [index_sampler]
+    if type(index_sampler) is BatchSampler:
+        candidates.append(index_sampler.sampler)
+    for candidate in candidates:
+        if not callable(getattr(candidate, "load_state_dict", None)):
+            continue
+        if callable(getattr(candidate, "state_dict_at", None)):
+            return candidate, "position"
+        if callable(getattr(candidate, "state_dict", None)):
+            return candidate, "epoch_start"
+    for candidate in candidates:
+        epoch = getattr(candidate, "epoch", None)
+        if callable(getattr(candidate, "set_epoch", None)) and isinstance(epoch, int) \
+                and not isinstance(epoch, bool):
+            return candidate, "set_epoch"
+    return None, None
+
+
+ORDER_SETTINGS = ("shuffle", "seed", "drop_last")  # torch's DistributedSampler's
+
+
+def epoch_state(sampler) -> dict:
+    """A ``"set_epoch"`` sampler's state: what its order depends on besides the dataset."""
+    replicas = getattr(sampler, "num_replicas", None)
+    state = {"epoch": int(sampler.epoch),
+             "num_replicas": replicas if isinstance(replicas, int) else None}
+    for name in ORDER_SETTINGS:  # so a resume refuses a sampler built another way
+        value = getattr(sampler, name, None)
+        if isinstance(value, (bool, int)):
+            state[name] = value
+    return state
+
+
+def describe_sampler(index_sampler) -> str:
+    """The kind of sampler a loader draws its batches from, as a state records it:
+    ``"BatchSampler(RandomSampler)"``.  Another kind at resume means another order."""
+    def name(sampler) -> str:
+        text = type(sampler).__qualname__
+        if type(sampler) is RandomSampler and sampler.replacement:
+            text += "(replacement=True)"
+        return text
+
+    if type(index_sampler) is BatchSampler:
+        return f"BatchSampler({name(index_sampler.sampler)})"
+    return name(index_sampler)
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def saved_sampler_epoch(state: dict, sampler):
+    """The epoch a sampler with ``set_epoch`` was at in ``state``, or None.
+
+    A ``"set_epoch"`` sampler's state is its epoch.  A ``"position"`` sampler
+    that also has ``set_epoch`` and an int ``epoch`` (``torchfeed.DistributedSampler``)
+    names its epoch in its own state, under ``"epoch"``.
+    """
+    sampler_state = state["sampler_state"]
+    if sampler_state is None:
+        return None
+    if sampler_state["protocol"] == "set_epoch":
+        return sampler_state["state"]["epoch"]
+    saved = sampler_state["state"]
+    if sampler_state["protocol"] == "position" and isinstance(saved, Mapping) \
+            and _int(saved.get("epoch")) and callable(getattr(sampler, "set_epoch", None)) \
+            and _int(getattr(sampler, "epoch", None)):
+        return saved["epoch"]
+    return None
+
+
+def sampler_generators(index_sampler, loader_generator) -> list:
+    """torch.Generators the sampler and the samplers it wraps own, in a fixed order.
+
+    Wrapped: torch's BatchSampler's ``sampler``, and the ``batch_sampler`` inside
+    a sharding batch sampler (Accelerate's ``BatchSamplerShard``), whose shuffle
+    is drawn from the innermost sampler's generator.
+    """
+    found = []
+    for obj in _wrapped_samplers(index_sampler):
+        g = getattr(obj, "generator", None)
+        if isinstance(g, torch.Generator) and g is not loader_generator \
+                and all(g is not other for other in found):
+            found.append(g)
+    return found
+
+
+def _wrapped_samplers(index_sampler, depth: int = 4) -> list:
+    chain, obj = [], index_sampler
+    while obj is not None and len(chain) < depth:
+        chain.append(obj)
+        obj = getattr(obj, "sampler", None) or getattr(obj, "batch_sampler", None)
+    return chain
