@@ -10,10 +10,10 @@ are medians over ``--repeats`` runs, torchfeed's also as a ratio to torch's.
   generation-2 collections per epoch (a ``gc.callbacks`` hook the workers
   inherit from the main process).
 * ``heap``: the main process holds ``--heap`` annotation dicts (as
-  ``json.load`` of a COCO-style file gives them); each worker runs one full
-  collection (as its GC counters make it do sooner or later) and reports its
-  time and the private memory (USS) it added; then a fresh loader (2 workers,
-  256 small samples a batch) times its first batch.
+  ``json.load`` of a COCO-style file gives them); a fresh loader (2 workers,
+  256 small samples a batch) times its first batch; then each worker of
+  another runs one full collection (as its GC counters make it do sooner or
+  later) and reports its time and the private memory (USS) it added.
 * ``start``: seconds per epoch with ``multiprocessing_context`` forkserver and
   spawn (epochs 2 to 6: the first starts the fork server), and fork for scale.
 * ``shuffle``: ``shuffle=True`` over ``--shuffle-n`` samples (default 2**26):
@@ -151,13 +151,14 @@ def child_gc(loader, epochs):
 def child_heap(loader, heap):
     records = _annotations(heap)  # noqa: F841 (held: the parent's heap)
     cls = _loader_cls(loader)
-    dl = cls(FullCollection(512), batch_size=256, num_workers=2)
-    costs = torch.stack([b[1].max(dim=0).values for b in dl]).max(dim=0).values
-    # Then a fresh loader, as the GC counters leave it: its first batch.
+    # A fresh loader, as the GC counters leave it: its first batch.
     dl = cls(Small(512), batch_size=256, num_workers=2)
     t = time.perf_counter()
     next(iter(dl))
     first = time.perf_counter() - t
+    del dl
+    dl = cls(FullCollection(512), batch_size=256, num_workers=2)
+    costs = torch.stack([b[1].max(dim=0).values for b in dl]).max(dim=0).values
     return {"first_batch_ms": 1000 * first, "collect_ms": 1000 * float(costs[0]),
             "collect_uss_mib": float(costs[1]) / 2**20}
 

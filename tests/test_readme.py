@@ -81,3 +81,14 @@ def test_stall_demo_prints_a_data_bound_summary(tmp_path):
     workers = re.findall(r"^  ([01]) +\d+ +(\d+) +\d+% +[\d.]+$", out, re.M)
     assert [w for w, _ in workers] == ["0", "1"] and sum(int(n) for _, n in workers) == 40, out
     assert "verdict             data-bound" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_copy_on_read_example_shows_the_fix(tmp_path):
+    script = tmp_path / "copy_on_read.py"
+    script.write_text(python_block("# copy_on_read.py"))
+    proc = subprocess.run([sys.executable, script.name], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    before, after = (int(m) for m in re.findall(r"grew (\d+) MiB", proc.stdout))
+    assert before > 50 and after < 10, proc.stdout
