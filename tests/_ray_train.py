@@ -4,7 +4,8 @@
 
 Each worker first iterates torch's loader through Ray's ``prepare_data_loader``
 (the reference split), then a torchfeed loader through
-``torchfeed.prepare(ray.train.torch.prepare_data_loader, loader)``, checkpointing
+``torchfeed.prepare(ray.train.torch.prepare_data_loader, loader)`` (and, in step
+with it, one with ``torchfeed.DistributedSampler``, which Ray leaves alone), checkpointing
 ``loader.state_dict()`` with ``ray.train.report`` at every step.  After step
 FAIL_AT both workers die; Ray restarts them (``FailureConfig(max_failures=1)``)
 and they resume from ``ray.train.get_checkpoint()``.  Also records what a plain
@@ -66,22 +67,30 @@ def train_func(config):
     loader = torchfeed.DataLoader(Ids(), batch_size=BATCH, shuffle=True, num_workers=1,
                                   persistent_workers=True, prefetch_factor=3)
     batches = torchfeed.prepare(ray.train.torch.prepare_data_loader, loader)
+    # Already distributed: Ray keeps this loader, and its wrapper still reads ahead.
+    kept = torchfeed.DataLoader(Ids(), batch_size=BATCH, num_workers=1,
+                                sampler=torchfeed.DistributedSampler(Ids(), shuffle=True))
+    kept_batches = torchfeed.prepare(ray.train.torch.prepare_data_loader, kept)
     result["resumed_from"] = None
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             saved = json.loads((Path(d) / f"loader-rank{rank}.json").read_text())
         loader.load_state_dict(saved["loader"])
+        kept.load_state_dict(saved["kept"])
         result["resumed_from"] = saved["step"]
     result["steps"] = []
-    for step, batch in enumerate(batches, start=0 if checkpoint is None else saved["step"] + 1):
-        result["steps"].append([step, ids(batch)])
+    start = 0 if checkpoint is None else saved["step"] + 1
+    for step, (batch, kept_batch) in enumerate(zip(batches, kept_batches), start=start):
+        result["steps"].append([step, ids(batch), ids(kept_batch)])
         with tempfile.TemporaryDirectory() as d:
-            (Path(d) / f"loader-rank{rank}.json").write_text(
-                json.dumps({"step": step, "loader": loader.state_dict()}))
+            (Path(d) / f"loader-rank{rank}.json").write_text(json.dumps(
+                {"step": step, "loader": loader.state_dict(), "kept": kept.state_dict()}))
             ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(d))
         if attempt == 1 and step == FAIL_AT:
             (out / f"rank{rank}-attempt{attempt}.json").write_text(json.dumps(result))
             raise RuntimeError("a worker failure: Ray restarts the group")
+    inner = kept_batches._dataloader
+    result["kept"] = [type(getattr(inner, "engine", inner)).__module__, "_prepared_as" in vars(kept)]
     engine = loader._prepared_as
     result["engine"] = [type(engine).__module__, engine.persistent_workers, engine.prefetch_factor,
                         loader.stats()["batches_yielded"], loader.stats()["transport"]]

@@ -248,3 +248,21 @@ def check_resume(make, k: int, epochs: int, *, finished: bool = False, make_resu
     assert [b for e in full for b in e][:k] == taken
     assert got == expected, f"k={k}: resumed {got} != uninterrupted {expected}"
     return state
+
+
+class BucketSampler(Sampler):
+    """A bucketing batch sampler: no state, shuffles with numpy's and Python's global
+    RNGs inside __iter__ (the whole order before its first batch)."""
+
+    def __init__(self, n: int, batch_size: int) -> None:
+        self.n, self.batch_size = n, batch_size
+
+    def __len__(self) -> int:
+        return -(-self.n // self.batch_size)
+
+    def __iter__(self):
+        order = np.random.permutation(self.n).tolist()
+        batches = [sorted(order[i:i + self.batch_size])
+                   for i in range(0, self.n, self.batch_size)]
+        random.shuffle(batches)
+        return iter(batches)

@@ -172,6 +172,11 @@ def test_a_peer_without_a_num_workers_0_mode_is_skipped_with_a_note():
 
 
 def test_peer_option_on_the_command_line(capsys):
+    from torchfeed.bench.__main__ import build_parser
+
+    assert build_parser().parse_args([]).peers == list(PEERS)  # every peer by default
+    assert build_parser().parse_args(["--peers", "none"]).peers == []
+    assert build_parser().parse_args(["--peers", "spdl"]).peers == ["spdl"]
     with pytest.raises(SystemExit) as exit_info:
         bench_main(["--peers", "torchdata,nope"])
     assert exit_info.value.code == 2

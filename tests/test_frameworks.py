@@ -235,10 +235,14 @@ def test_ray_train_keeps_torchfeed_and_resumes_exactly_after_a_failure(tmp_path)
         # the samples trained across the failure equal the uninterrupted split
         resumed_from = second["resumed_from"]
         assert resumed_from is not None and 0 <= resumed_from < len(expected) - 1
-        trained = [b for step, b in first["steps"] if step <= resumed_from]
-        trained += [b for step, b in second["steps"]]
-        assert [s for s, _ in second["steps"]] == list(range(resumed_from + 1, len(expected)))
+        assert [s[0] for s in second["steps"]] == list(range(resumed_from + 1, len(expected)))
+        trained = [s[1] for s in first["steps"] if s[0] <= resumed_from]
+        trained += [s[1] for s in second["steps"]]
         assert trained == expected
+        # the loader Ray kept (torchfeed.DistributedSampler deals torch's indices) too
+        assert second["kept"] == ["torchfeed.dataloader", False]
+        kept = [s[2] for s in first["steps"] if s[0] <= resumed_from]
+        assert kept + [s[2] for s in second["steps"]] == expected
         assert second["engine"][3] == len(expected) - resumed_from - 1  # stats of this attempt
     assert sorted(union) == list(range(64))
 

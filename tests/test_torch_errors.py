@@ -130,6 +130,8 @@ class Faulty(Dataset):
                 raise ValueError(f"sample {i} is corrupt")
             if self.how == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "sigbus":  # what a worker out of shared memory dies of
+                os.kill(os.getpid(), signal.SIGBUS)
             if self.how == "segfault":
                 import ctypes
                 ctypes.string_at(0)
@@ -181,8 +183,10 @@ def test_exception_in_a_worker_is_caught_in_torchs_words(where):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("how, signame", [("sigkill", "Killed"),
-                                          ("segfault", "Segmentation fault")])
+@pytest.mark.parametrize("how, signame", [
+    ("sigkill", "Killed"), ("segfault", "Segmentation fault"),
+    ("sigbus", "Bus error. It is possible that dataloader's workers are out of shared memory. "
+               "Please try to raise your shared memory limit.")])
 def test_worker_killed_by_a_signal_in_torchs_words(how, signame):
     """torch: its SIGCHLD handler raises "DataLoader worker (pid P) is killed
     by signal: <strsignal>. ", and its iterator raises "DataLoader worker
@@ -190,13 +194,14 @@ def test_worker_killed_by_a_signal_in_torchs_words(how, signame):
     first, the handler's second, then torchfeed's lines."""
     (theirs, _, theirs_text), (ours, _, _) = both(Faulty(how), batch_size=2, num_workers=2)
     assert type(theirs) is type(ours) is RuntimeError
-    assert re.search(KILLED_BY_SIGNAL + re.escape(f"{signame}. "), theirs_text), theirs_text
+    sentence = signame if how == "sigbus" else f"{signame}. "
+    assert re.search(KILLED_BY_SIGNAL + re.escape(sentence), theirs_text), theirs_text
     lines = str(ours).splitlines()
     pid = re.fullmatch(r"DataLoader worker \(pid\(s\) (\d+)\) exited unexpectedly", lines[0])
     assert pid, ours
     pid = pid.group(1)
     assert re.match(EXITED_UNEXPECTEDLY, lines[0])
-    assert lines[1] == f"DataLoader worker (pid {pid}) is killed by signal: {signame}. ", ours
+    assert lines[1] == f"DataLoader worker (pid {pid}) is killed by signal: {sentence}", ours
     assert re.match(KILLED_BY_SIGNAL, lines[1])
     assert lines[2].startswith(f"Worker 0 (pid {pid}) was killed by signal SIG"), ours
     assert "batch 2 (sample indices [4, 5])" in str(ours)
@@ -340,3 +345,42 @@ def test_unpicklable_worker_arguments_in_torchs_words():
     assert ours.splitlines()[0] == theirs, ours
     assert ours_warned == theirs_warned
     assert "collate_fn" in ours and "module level" in ours
+
+
+class PinFails:
+    """A batch type whose own pin_memory() fails (pin_memory() calls it)."""
+
+    def pin_memory(self, device=None):
+        raise ValueError("cannot pin")
+
+
+def test_pin_memory_thread_failure_in_torchs_words(monkeypatch):
+    """torch's pin-memory thread wraps an error with where="in pin memory
+    thread for device <index>".  There is no accelerator here, so the thread
+    is run on its own, told it pins for device 0 (making that device current
+    is skipped), and its error is compared with torch's wrapper's."""
+    from torch._utils import ExceptionWrapper
+
+    from torchfeed._pin_memory import PinMemoryThread
+
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+    items = [(True, (0, PinFails()))]
+    thread = PinMemoryThread(lambda timeout: items.pop() if items else (False, None),
+                             "cuda", 0, pin=True)
+    try:
+        kind, (send_idx, failure) = thread.out.get(timeout=10)
+    finally:
+        thread.stop()
+    try:
+        raise ValueError("cannot pin")
+    except ValueError:
+        theirs_wrapper = ExceptionWrapper(where="in pin memory thread for device 0")
+    raised = []
+    for wrapper in (theirs_wrapper, failure):
+        with pytest.raises(ValueError) as info:
+            wrapper.reraise()
+        raised.append(str(info.value))
+    theirs, ours = raised
+    assert theirs.splitlines()[0] == "Caught ValueError in pin memory thread for device 0."
+    assert ours.splitlines()[0] == theirs.splitlines()[0], ours
+    assert ours.splitlines()[-1] == theirs.splitlines()[-1] == "ValueError: cannot pin"

@@ -103,7 +103,6 @@ def datapipe_epochs(loader_cls, num_workers, persistent, use_generator, epochs=2
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's datapipes deprecation notice
 @pytest.mark.parametrize("num_workers, persistent, use_generator",
                          [(0, False, True), (2, False, True), (2, True, True), (2, False, False)])
 def test_iter_datapipe_is_seeded_and_sharded_like_torch(num_workers, persistent, use_generator):
@@ -123,7 +122,6 @@ def test_iter_datapipe_is_seeded_and_sharded_like_torch(num_workers, persistent,
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_iter_datapipe_resumes_into_the_same_shuffle(num_workers):
     def loader():
@@ -139,5 +137,44 @@ def test_iter_datapipe_resumes_into_the_same_shuffle(num_workers):
     state = first.state_dict()
     del it
     resumed = loader()
-    resumed.load_state_dict(state)
-    assert head + [b.tolist() for b in resumed] == whole
+    # A datapipe keeps no state: the resume reads the 2 batches again (same seed, same
+    # shuffle) and drops them, and says so.
+    with pytest.warns(UserWarning, match="resuming reads the 2 batches"):
+        resumed.load_state_dict(state)
+        rest = [b.tolist() for b in resumed]
+    assert head + rest == whole
+
+
+@pytest.mark.timeout(200)
+def test_iter_datapipe_is_sharded_across_ranks_like_torch(tmp_path):
+    """Two ranks of a real gloo group (torchrun), each with a generator seeded
+    differently: the shared seed is rank 0's, broadcast as torch does, so both
+    ranks shuffle alike, and sharding by rank and worker gives every sample to
+    exactly one rank, in torch's batches."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("_dist_datapipes.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(script), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=170)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a failed launch
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, output[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for num_workers in ("0", "2"):
+        for rank in ranks:
+            assert rank["torchfeed"][num_workers] == rank["torch"][num_workers]
+        seen = [x for rank in ranks for batch in rank["torchfeed"][num_workers] for x in batch]
+        assert sorted(seen) == list(range(20)), (num_workers, ranks)

@@ -26,27 +26,20 @@ positions without loading any data (``load_state_dict`` does it once first,
 """
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch.utils.data import IterableDataset
 
 from ._chunked_sampler import iterate
 from ._datapipes import SharedSeed, is_iter_datapipe
-from ._rng import draw_base_seed, drawing_from, encode_rng, replaying
-from ._sampler_state import (epoch_state, sampler_generators, saved_sampler_epoch,
+from ._rng import draw_base_seed, drawing_from, encode_host_rngs, encode_rng, replaying
+from ._replay import Replay
+from ._sampler_state import (epoch_state, may_draw_host_rngs, private_rngs, sampler_generators,
                              stateful_sampler)
+
+WATCH_BATCHES = 32  # batches of an epoch checked for global-RNG draws by the sampler
 
 NO_STATE = object()  # a batch that came without a dataset state
 _NOTHING = object()
-
-
-def _advance(iterator, n):
-    """Take up to ``n`` items (all, for None) off ``iterator``; how many there were."""
-    count = 0
-    for _ in iterator if n is None else itertools.islice(iterator, n):
-        count += 1
-    return count
 
 
 class StatefulResult:
@@ -74,7 +67,7 @@ class StatefulResult:
         return StatefulResult(pin_memory(self.value), self.state, self.ended, self.samples)
 
 
-class IndexStream:
+class IndexStream(Replay):
     """One iterator's index stream, epoch after epoch (persistent workers reuse it)."""
 
     def __init__(self, loader) -> None:
@@ -92,6 +85,13 @@ class IndexStream:
         self.sampler, self.sampler_protocol = (None, None) if self.is_iterable \
             else stateful_sampler(self.index_sampler)
         self.generators = sampler_generators(self.index_sampler, loader.generator)
+        # A sampler that may shuffle with numpy's or Python's global RNG: each
+        # epoch records them too (and checks its first batches for later draws).
+        self.host = not self.is_iterable and may_draw_host_rngs(self.index_sampler,
+                                                                self.sampler_protocol)
+        self.private = [] if self.is_iterable else private_rngs(self.index_sampler,
+                                                                self.sampler_protocol)
+        self.lazy_draws = False  # the sampler drew from a global RNG after its first batch
         self.book = ResumeBook.of(loader)
         self.base_seed = None
         # An IterDataPipe's shared seed (``_datapipes.py``): drawn with the
@@ -132,6 +132,7 @@ class IndexStream:
         self._skip = set()           # positions a resume must not hand out again
         self._next_pos = 0
         self._peeked = _NOTHING
+        self._watch = WATCH_BATCHES if self.host else 0
         self.consumed_offset = 0     # items of a "position" sampler used before its iter()
         self.first_worker = 0
         self.reread = 0              # batches to read and drop (stateless IterableDataset)
@@ -151,7 +152,7 @@ class IndexStream:
         if plan.state is not None:
             self._resume(plan.state, fresh)
             return
-        with drawing_from(plan.global_rng):  # also what _capture records as the start
+        with drawing_from(plan.global_rng, plan.host_rng):  # also what _capture records
             self._capture()
             if fresh:
                 self._draw_shared_seed()  # torch's _BaseDataLoaderIter.__init__
@@ -196,6 +197,8 @@ class IndexStream:
             "global": encode_rng(torch.get_rng_state()),
             "samplers": [encode_rng(g.get_state()) for g in self.generators],
         }
+        if self.host:
+            self.rng["host"] = encode_host_rngs()
         protocol = self.sampler_protocol
         self.sampler_start_state = (self.sampler.state_dict() if protocol == "epoch_start"
                                     else epoch_state(self.sampler) if protocol == "set_epoch"
@@ -242,90 +245,14 @@ class IndexStream:
             self._next_pos = self.frontier
             self._peek()  # inside the replay, as the sampler may draw from the global RNG
 
-    def saved_sampler_epoch(self, state: dict):
-        """The epoch ``state`` names for this loader's sampler with ``set_epoch``, or None."""
-        return saved_sampler_epoch(state, self.sampler)
-
-    def restore_sampler_epoch(self, state: dict) -> None:
-        """Give a sampler with ``set_epoch`` the saved epoch, so a fresh one replays that
-        epoch's order even if the user's loop does not call ``set_epoch`` first, and
-        a later ``set_epoch`` to another epoch is seen (``_check_sampler_epoch``)."""
-        saved = saved_sampler_epoch(state, self.sampler)
-        if saved is not None:
-            self.sampler.set_epoch(saved)
-
-    def _check_sampler_epoch(self, state: dict) -> None:
-        """A mid-epoch state continues one epoch of the sampler's order: refuse another."""
-        saved = saved_sampler_epoch(state, self.sampler)
-        if saved is None:
-            return
-        now = self.sampler.epoch
-        if now != saved:
-            raise ValueError(
-                f"this DataLoader resumes a checkpoint taken in epoch {saved} of its "
-                f"{type(self.sampler).__name__}, but set_epoch({now}) was called after "
-                f"load_state_dict, so the sampler would deal epoch {now}'s order and the "
-                f"rest of epoch {saved} would be wrong. Call set_epoch({saved}) (or leave "
-                "the epoch load_state_dict set) to finish the checkpoint's epoch first")
-
-    def replay_to_end(self, state: dict):
-        """Run a finished epoch's index stream to its end, loading nothing.
-
-        Leaves the loader's and the sampler's generators, and a stateful
-        sampler, exactly as the uninterrupted run left them, so the next
-        epoch draws the same shuffle.  Returns the epoch's number of batches,
-        or None where the stream is not replayed (an IterableDataset, a
-        ``"position"`` sampler).
-        """
-        sampler_state = state["sampler_state"]
-        with replaying(self.generator, self.generators, state["epoch_start_rng"]):
-            if sampler_state is not None and sampler_state["protocol"] == "epoch_start":
-                self.sampler.load_state_dict(sampler_state["state"])
-            self._draw_shared_seed(keep=False)
-            it = iterate(self.index_sampler)
-            if state["draws_base_seed"]:
-                draw_base_seed(self.generator)
-                if self.num_workers > 0:
-                    self._draw_shared_seed(keep=False)
-            if not self.is_iterable and not (
-                    sampler_state is not None and sampler_state["protocol"] == "position"):
-                return _advance(it, None)
-        return None
-
-    def locate(self, state: dict) -> tuple[int, int]:
-        """Rebuild a map-style state's epoch up to its checkpoint, loading nothing.
-
-        Returns ``(frontier, found)``: the batches the checkpoint counts as
-        consumed in order, and how many of the positions up to the last one it
-        names (the frontier's next, or the last yielded out of order) the epoch
-        actually has.  ``found == frontier`` with nothing out of order: every
-        batch was yielded, and the RNGs and the sampler are then where
-        ``replay_to_end`` leaves them.  ``found`` short of what the state names:
-        the state points past the end of this loader's epoch.
-        """
-        ooo = sorted(p for p, _ in state["out_of_order_yielded"])
-        frontier = state["batches_yielded"] - len(ooo)
-        last = ooo[-1] if ooo else frontier  # the last position the check needs
-        sampler_state = state["sampler_state"]
-        protocol = None if sampler_state is None else sampler_state["protocol"]
-        with replaying(self.generator, self.generators, state["epoch_start_rng"]):
-            if protocol in ("position", "epoch_start"):
-                self.sampler.load_state_dict(sampler_state["state"])
-            self._draw_shared_seed(keep=False)  # the draws replay_to_end makes, in its order
-            it = iterate(self.index_sampler)
-            if state["draws_base_seed"]:
-                draw_base_seed(self.generator)
-                if self.num_workers > 0:
-                    self._draw_shared_seed(keep=False)
-            start = frontier if protocol == "position" else 0  # it resumes there itself
-            return frontier, start + _advance(it, last + 1 - start)
-
     # -- handing out positions ------------------------------------------------
     def next(self):
         """(batch_index, indices) of the next batch to fetch; StopIteration at the end."""
         while True:
             if self._peeked is not _NOTHING:
                 indices, self._peeked = self._peeked, _NOTHING
+            elif self._watch:
+                indices = self._watched_next()
             else:
                 indices = next(self._sampler_iter)
             pos = self._next_pos
@@ -334,6 +261,19 @@ class IndexStream:
                 self._skip.discard(pos)  # yielded before the checkpoint, out of order
                 continue
             return pos, indices
+
+    def _watched_next(self):
+        """The sampler's next batch, noting a draw from a global RNG while making it.
+
+        Such a draw, after the first batch, comes from the global RNG as the
+        training loop has left it by then, which a resume cannot replay.
+        """
+        self._watch -= 1
+        before = (encode_rng(torch.get_rng_state()), encode_host_rngs())
+        indices = next(self._sampler_iter)
+        if (encode_rng(torch.get_rng_state()), encode_host_rngs()) != before:
+            self.lazy_draws, self._watch = True, 0
+        return indices
 
     # -- what reached the user --------------------------------------------------
     def yielded(self, data, pos: int, indices, worker_id: int):

@@ -7,10 +7,14 @@ for it, what kind of sampler it is (so a resume refuses another), and the
 """
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 
+import numpy as np
 import torch
-from torch.utils.data import BatchSampler, RandomSampler
+from torch.utils.data import (BatchSampler, RandomSampler, SequentialSampler,
+                              SubsetRandomSampler, WeightedRandomSampler)
+from torch.utils.data.distributed import DistributedSampler
 
 
 def stateful_sampler(index_sampler):
@@ -118,3 +122,48 @@ def _wrapped_samplers(index_sampler, depth: int = 4) -> list:
         chain.append(obj)
         obj = getattr(obj, "sampler", None) or getattr(obj, "batch_sampler", None)
     return chain
+
+
+# torch's own samplers (and subclasses that keep their __iter__, like
+# torchfeed.DistributedSampler) draw only from torch generators.
+_TORCH_ITERS = {cls.__iter__ for cls in (BatchSampler, RandomSampler, SequentialSampler,
+                                         SubsetRandomSampler, WeightedRandomSampler,
+                                         DistributedSampler)}
+
+
+def may_draw_host_rngs(index_sampler, protocol) -> bool:
+    """Whether the sampler's order may come from numpy's or Python's global RNG.
+
+    A sampler with its own state (``"position"``, ``"epoch_start"``) says its
+    order through that state.  Otherwise any sampler in the chain whose
+    ``__iter__`` is not one of torch's may shuffle with ``np.random`` or
+    ``random`` (a bucketing sampler), so an epoch records their states.
+    """
+    if protocol in ("position", "epoch_start"):
+        return False
+    return any(getattr(type(s), "__iter__", None) not in _TORCH_ITERS
+               for s in _wrapped_samplers(index_sampler))
+
+
+def user_sampler(index_sampler):
+    """The first sampler in the chain that is not one of torch's (else the index sampler)."""
+    for sampler in _wrapped_samplers(index_sampler):
+        if getattr(type(sampler), "__iter__", None) not in _TORCH_ITERS:
+            return sampler
+    return index_sampler
+
+
+def private_rngs(index_sampler, protocol) -> list:
+    """``"Sampler.attr"`` for each numpy or Python RNG object a stateless sampler owns.
+
+    Its state is not in any checkpoint, so after a restart it starts over and
+    the resumed epoch's order differs from the uninterrupted run's.
+    """
+    if protocol in ("position", "epoch_start"):
+        return []
+    found = []
+    for sampler in _wrapped_samplers(index_sampler):
+        for name, value in vars(sampler).items() if hasattr(sampler, "__dict__") else ():
+            if isinstance(value, (np.random.Generator, np.random.RandomState, random.Random)):
+                found.append(f"{type(sampler).__name__}.{name}")
+    return found

@@ -24,21 +24,33 @@ The format (version 1), plain values only, so it survives ``json`` and
      "samples_yielded": int,
      "out_of_order_yielded": [[batch_index, samples], ...],  # in_order=False only
      "base_seed": int | None, "draws_base_seed": bool,      # the epoch drew its base seed
-     "epoch_start_rng": {"generator": str | None, "global": str, "samplers": [str, ...]} | None,
+     "epoch_start_rng": {"generator": str | None, "global": str, "samplers": [str, ...],
+                         "host": {"numpy": str, "python": str}  # samplers not torch's own
+                         } | None,
      "sampler_state": {"protocol": "position" | "epoch_start" | "set_epoch",
                        "state": ...} | None,  # set_epoch: {"epoch", "num_replicas"}
      "worker_states": [state | None, ...] | None,           # stateful IterableDataset only
      "exhausted_workers": [int, ...],  # their stream ended with the last batch yielded
      "next_worker": int,
      "next_epoch_global_rng": str | None,  # at an epoch's end: the global RNG at state_dict()
+     "next_epoch_host_rng": {"numpy": str, "python": str} | None,  # and numpy's, Python's
      "sampler": str | None}  # map-style: the kind of sampler, "BatchSampler(RandomSampler)"
 
 An epoch is at its end when it finished, or when every batch was yielded but
 nothing called ``next()`` again (a framework that knows ``len(loader)``, as
 Lightning does): ``load_state_dict`` counts the latter as finished too.
 
-``next_epoch_global_rng`` and ``sampler`` were added within version 1; a state
-without them loads as if they were None.
+``next_epoch_global_rng``, ``next_epoch_host_rng``, ``sampler`` and
+``epoch_start_rng["host"]`` were added within version 1; a state without them
+loads as if they were None.
+
+A sampler that is not one of torch's and has no state of its own may shuffle
+with numpy's or Python's global RNG inside ``__iter__`` (a bucketing sampler):
+its epoch also records those two states when it starts, and a resume sets them
+for the replay only, as it does torch's.  ``state_dict()`` warns, once, when an
+epoch cannot be resumed exactly: the sampler owns a numpy or Python RNG object
+of its own (not in any checkpoint), or it drew from a global RNG while yielding
+batches after its first (checked on the first ``WATCH_BATCHES`` of an epoch).
 
 RNG states are base64 strings of the generators' byte states.  ``load_state_dict``
 checks everything it can up front (``_state_validation.py``) and raises
@@ -82,7 +94,7 @@ from torch.utils.data import IterableDataset
 
 from ._index_stream import IndexStream, StatefulResult
 from ._sampler_state import describe_sampler
-from ._rng import encode_rng
+from ._rng import encode_host_rngs, encode_rng
 from ._state_validation import KIND, VERSION, check_finished, check_position, validate
 from .distributed import rank_and_world_size
 
@@ -91,7 +103,7 @@ class Plan:
     """What the next epoch started on a loader is: its number, and what to restore."""
 
     __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted", "global_rng",
-                 "next")
+                 "host_rng", "next")
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__}
@@ -101,13 +113,14 @@ class Plan:
             setattr(self, name, value)
 
     def __init__(self, epoch: int, state=None, base_seed=None, worker_states=None,
-                 exhausted=(), global_rng=None, next=None) -> None:
+                 exhausted=(), global_rng=None, host_rng=None, next=None) -> None:
         self.epoch = epoch
         self.state = state                  # a state whose epoch this one continues
         self.base_seed = base_seed          # persistent workers keep one base seed
         self.worker_states = worker_states  # IterableDataset states to load first
         self.exhausted = exhausted          # workers with nothing left this epoch
         self.global_rng = global_rng        # a new epoch's draws come from this global RNG
+        self.host_rng = host_rng            # and from these numpy / Python global RNGs
         # A state with every batch yielded, for a sampler with set_epoch: the plan
         # for the next epoch, taken if the sampler was set to another epoch since.
         self.next = next
@@ -124,6 +137,7 @@ class ResumeBook:
         self.next_epoch = 0
         self.plan = None      # set by load_state_dict, used by the next iter()
         self.loaded = None    # the state loaded, returned by state_dict() until then
+        self.warned = False   # state_dict() said once why a resume cannot be exact
         dataset = loader.dataset
         iterable = isinstance(dataset, IterableDataset)
         # len(dataset) waits until a state is saved or loaded (see header):
@@ -156,7 +170,8 @@ class ResumeBook:
         # state, not the live iteration (whose sampler iterator cannot be copied):
         # like torch's loader, the copy's next iter() starts an epoch.
         return {"live": None, "next_epoch": self.next_epoch, "plan": self.plan,
-                "loaded": self.loaded, "_header": self.header, "_dataset": None}
+                "loaded": self.loaded, "_header": self.header, "_dataset": None,
+                "warned": self.warned}
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
@@ -198,7 +213,7 @@ def state_dict(loader) -> dict:
                      samples_yielded=0, out_of_order_yielded=[], base_seed=None,
                      draws_base_seed=True, epoch_start_rng=None, sampler_state=None,
                      worker_states=None, exhausted_workers=[], next_worker=0,
-                     next_epoch_global_rng=None)
+                     next_epoch_global_rng=None, next_epoch_host_rng=None)
         return state
     state["epoch"] = s.epoch
     state["epoch_finished"] = s.finished
@@ -215,8 +230,14 @@ def state_dict(loader) -> dict:
     state["next_worker"] = s.first_worker
     # Only a state at the end of an epoch pays for the encoding; a state inside an
     # epoch replays that epoch from epoch_start_rng instead.
-    state["next_epoch_global_rng"] = (encode_rng(torch.get_rng_state()) if s.at_end()
-                                      else None)
+    at_end = s.at_end()
+    state["next_epoch_global_rng"] = encode_rng(torch.get_rng_state()) if at_end else None
+    state["next_epoch_host_rng"] = encode_host_rngs() if at_end and s.host else None
+    reason = s.inexact()
+    if reason is not None and not book.warned:
+        book.warned = True
+        warnings.warn(f"this DataLoader state cannot resume the epoch exactly: {reason}.",
+                      stacklevel=3)
     return state
 
 
@@ -268,7 +289,8 @@ def _plan(loader, probe: IndexStream, state: dict) -> Plan:
         after = Plan(epoch + 1,
                      base_seed=state["base_seed"] if probe.persistent else None,
                      worker_states=state["worker_states"] if carries else None,
-                     global_rng=state["next_epoch_global_rng"])
+                     global_rng=state["next_epoch_global_rng"],
+                     host_rng=state["next_epoch_host_rng"])
         if state["epoch_finished"] or probe.saved_sampler_epoch(state) is None:
             return after
         # Every batch yielded, and the sampler has set_epoch: the loop tells which

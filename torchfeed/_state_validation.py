@@ -15,6 +15,7 @@ import torch
 
 from ._index_stream import IndexStream
 from ._sampler_state import ORDER_SETTINGS
+from ._rng import check_host_rngs
 from .distributed import check_iterable_world_size
 
 VERSION = 1
@@ -31,7 +32,8 @@ _FIELDS = {
     "world_size": _OPT_INT,
 }
 # Added within version 1: a state saved before they existed lacks them and still loads.
-_OPTIONAL_FIELDS = {"next_epoch_global_rng": "str or None", "sampler": "str or None"}
+_OPTIONAL_FIELDS = {"next_epoch_global_rng": "str or None", "sampler": "str or None",
+                    "next_epoch_host_rng": "dict or None"}
 # torch's base seed is a random int64 drawn with random_(): it lies in [0, 2**63).
 BASE_SEED_RANGE = 2 ** 63
 
@@ -127,6 +129,8 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
         _fail(f"field 'epoch_start_rng' is None (the epoch never started) but "
               f"batches_yielded={state['batches_yielded']} and "
               f"epoch_finished={state['epoch_finished']}; the state is corrupted")
+    if state["next_epoch_host_rng"] is not None:
+        _check_host("'next_epoch_host_rng'", state["next_epoch_host_rng"])
     if state["base_seed"] is None and rng is not None:
         _fail("field 'base_seed' is None in a state whose epoch started")
     if state["base_seed"] is not None and not 0 <= state["base_seed"] < BASE_SEED_RANGE:
@@ -178,6 +182,19 @@ def _check_rng(rng: Mapping, loader, probe: IndexStream) -> None:
         expected.append((f"samplers[{i}]", text, g))
     for name, text, generator in expected:
         _check_rng_text(f"'epoch_start_rng'[{name!r}]", text, generator)
+    if rng.get("host") is not None:
+        _check_host("'epoch_start_rng'['host']", rng["host"])
+
+
+def _check_host(field: str, host) -> None:
+    """numpy's and Python's global RNG states, as ``_rng.encode_host_rngs`` writes them."""
+    if not isinstance(host, Mapping) or not all(isinstance(host.get(k), (str, type(None)))
+                                                for k in ("numpy", "python")):
+        _fail(f"field {field} must be {{'numpy': str, 'python': str}}, got {host!r}")
+    try:
+        check_host_rngs(host)
+    except ValueError as exc:
+        _fail(f"field {field}{exc}; the state is corrupted")
 
 
 def _check_rng_text(field: str, text, generator: torch.Generator) -> None:

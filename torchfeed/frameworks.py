@@ -16,8 +16,11 @@ the ones Ray drops: ``persistent_workers``, ``prefetch_factor`` and torchfeed's
 own).  The user's loader then answers ``state_dict()``, ``load_state_dict()``
 and ``stats()`` for the loader that actually runs.  Both wrappers read one batch
 ahead of the user; the state is the one the user has seen, not the look-ahead:
-Accelerate's ``DataLoaderShard`` snapshots it itself, and for Ray's wrapper the
-engine is fed through :class:`_Lookahead`, which snapshots it the same way.
+Accelerate's ``DataLoaderShard`` snapshots it itself, and Ray's wrapper is fed
+through :class:`_Lookahead`, which snapshots it the same way (also when Ray kept
+a loader that already had a ``DistributedSampler``).  Accelerate's
+``use_stateful_dataloader`` builds torchdata's loader and takes its state first,
+drawing from the RNG; that loader is replaced too, with a warning.
 
 Where the framework's product is not recognised, the framework's loader runs
 and a warning names the supported way.  ``frameworks_warning`` covers the other
@@ -37,9 +40,8 @@ SUPPORTED = ("pass the loader through torchfeed.prepare(framework_prepare, loade
              "torchfeed.prepare(ray.train.torch.prepare_data_loader, loader); see the README, "
              "\"Hugging Face Accelerate and Trainer\" and \"Ray Train\"")
 
-# torch's arguments that decide which indices a rank gets: always the framework's.
-_SAMPLING = ("dataset", "sampler", "batch_sampler", "batch_size", "drop_last")
-# Ray may wrap these for reproducibility (``enable_reproducibility``): the framework's.
+# dataset, sampler, batch_sampler, batch_size and drop_last decide which indices a
+# rank gets: always the framework's (``_rebuild``).  Ray may wrap these for reproducibility (``enable_reproducibility``): the framework's.
 _FROM_FRAMEWORK = ("worker_init_fn", "generator")
 # The rest of torch's arguments, and torchfeed's: the user's loader's.
 _FROM_USER = ("num_workers", "collate_fn", "pin_memory", "timeout", "multiprocessing_context",
@@ -74,6 +76,8 @@ def prepare(framework_prepare, loader, *args, **kwargs):
     holder, slot, inner = _engine_slot(prepared)
     if inner is loader or isinstance(inner, DataLoader):
         engine = inner  # the framework kept the loader (it was already per-rank)
+        if slot == "_dataloader":  # but its wrapper still reads one batch ahead (Ray's)
+            setattr(holder, slot, _Lookahead(engine))
     elif isinstance(inner, torch.utils.data.DataLoader):  # torch's, or torchdata's Stateful one
         if type(inner) is not torch.utils.data.DataLoader:
             _warn_once("stateful", (

@@ -17,6 +17,7 @@ A new column is one more entry in ``PEERS``.
 from __future__ import annotations
 
 import importlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -36,7 +37,11 @@ SPDL = "spdl"
 def _torchdata(dataset, **kwargs):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    return StatefulDataLoader(dataset, **kwargs)
+    with warnings.catch_warnings():
+        # torchdata 0.11's constructor calls torch.set_vital, which torch 2.13
+        # deprecates: the warning is about torchdata's source, not about the run.
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StatefulDataLoader(dataset, **kwargs)
 
 
 def _spdl(dataset, **kwargs):
