@@ -252,8 +252,9 @@ def test_slot_grows_for_a_bigger_batch():
 
 
 @pytest.mark.timeout(60)
-def test_pool_cap_bounds_slots_and_the_rest_go_torchs_way_quietly():
+def test_pool_cap_bounds_slots_and_the_rest_travel_inline_quietly():
     with h.Pipeline(1, options={"max_slots_per_worker": 3}) as p:
+        fds = len(os.listdir("/proc/self/fd"))
         with warnings.catch_warnings():
             warnings.simplefilter("error", ShmFallbackWarning)
             held = [p.get("image") for _ in range(8)]
@@ -261,6 +262,12 @@ def test_pool_cap_bounds_slots_and_the_rest_go_torchs_way_quietly():
             assert int(img[0, 0, 0, 0]) == i % 251 and int(labels[0]) == i
         st = p.unpacker.stats()
         assert st["slots"] == 3 and st["fallbacks"] == 5
+        # The five beyond the slots live in this process's own memory: no
+        # shared memory, no file descriptor each (torch's way would hold one).
+        ranges = slot_ranges()
+        for _, (img, _labels) in held[3:]:
+            assert not in_slot(img.data_ptr(), ranges) and not img.is_shared()
+        assert len(os.listdir("/proc/self/fd")) == fds
 
 
 @pytest.mark.timeout(60)

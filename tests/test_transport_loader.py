@@ -336,3 +336,68 @@ def test_nothing_left_after_main_process_sigkill():
     assert h.wait_until(lambda: not any(h.alive(p) for p in pids), 10)
     assert all(h.memfd_refs(p) == [] for p in pids)
     assert h.leftover_shm(before, pids, used) == set()
+
+
+KEEP_UNDER_FD_LIMIT = """
+import os, resource, sys
+sys.path.insert(0, {tests!r})
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+import torch
+import torch.utils.data as tud
+import torchfeed
+from test_transport_loader import Numbers
+loader_cls = tud.DataLoader if sys.argv[1] == "torch-loader" else torchfeed.DataLoader
+kwargs = {{}} if sys.argv[1] != "torch-transport" else {{"transport": "torch"}}
+kept = []
+try:
+    for batch in loader_cls(Numbers(), batch_size=2, num_workers=1, **kwargs):
+        kept.append(batch)
+except RuntimeError as exc:
+    print("ERROR", len(kept), exc)
+    sys.exit(3)
+assert len(kept) == 2000, len(kept)
+assert all(torch.equal(b, torch.tensor([[2 * i] * 4, [2 * i + 1] * 4])) for i, b in enumerate(kept))
+print("OK", len(os.listdir("/proc/self/fd")))
+"""
+
+
+class Numbers(Dataset):
+    def __len__(self):
+        return 4000
+
+    def __getitem__(self, i):
+        return torch.full((4,), i)
+
+
+def _keep_all_under_fd_limit(how):
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = KEEP_UNDER_FD_LIMIT.format(tests=tests)
+    return subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True,
+                          timeout=100, cwd=tests)
+
+
+@pytest.mark.timeout(120)
+def test_thousands_of_kept_batches_need_no_file_descriptor_each():
+    # 2,000 batches kept under a limit of 128 open files: the slots hold one
+    # descriptor per worker, and the batches beyond them travel inline.
+    run = _keep_all_under_fd_limit("shm")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith("OK ") and int(run.stdout.split()[1]) < 64, run.stdout
+    assert "Exception ignored" not in run.stderr, run.stderr  # batches kept to the very end
+
+
+@pytest.mark.timeout(120)
+def test_out_of_file_descriptors_on_torchs_transport_says_so_in_torchs_words():
+    # torch's transport holds a descriptor per kept batch, in torch's loader
+    # as here: both fail, with torch's sentence first, then what ran out.
+    want = _keep_all_under_fd_limit("torch-loader")
+    got = _keep_all_under_fd_limit("torch-transport")
+    assert want.returncode == got.returncode == 3, (want.stdout + want.stderr, got.stdout + got.stderr)
+    first = "Too many open files. Communication with the workers is no longer possible."
+    assert want.stdout.split(" ", 2)[2].startswith(first), want.stdout
+    assert got.stdout.split(" ", 2)[2].startswith(want.stdout.split(" ", 2)[2].splitlines()[0])
+    assert "torchfeed: the main process holds 1" in got.stdout and "of its limit of 128" \
+        in got.stdout and "set_sharing_strategy('file_system')" in got.stdout, got.stdout

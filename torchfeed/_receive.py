@@ -29,6 +29,7 @@ import pickle
 from ._errors import WorkerFailure
 from ._pipe_reader import HalfMessage, MessageReader, Stopped, wait_ready
 from ._restart import WorkerDied
+from ._transport import fd_exhaustion_error
 from ._worker import IterableExhausted
 
 DYING_SENDER_WAIT = 1.0  # how long a payload that failed to arrive may wait for its sender's death
@@ -102,7 +103,7 @@ class ResultReceiver:
             return send_idx, worker_id
         try:
             payload = pickle.loads(blob)
-        except Exception:
+        except Exception as exc:
             # torch's transport hands tensors over as file descriptors
             # fetched from the sender; a sender that died, or is dying
             # (its socket already closed, its exit not yet reaped), cannot.
@@ -112,6 +113,9 @@ class ResultReceiver:
             process.join(timeout=DYING_SENDER_WAIT)
             if not process.is_alive():
                 raise WorkerDied(worker_id) from None
+            error = fd_exhaustion_error(exc)
+            if error is not None:
+                raise error from None
             raise
         if not isinstance(payload, (WorkerFailure, IterableExhausted)):
             payload = self.unpacker.unpack(payload)

@@ -39,7 +39,9 @@ nothing raises (see ``_space.py``).
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 from dataclasses import dataclass
 
 from . import _slots, _space
@@ -57,8 +59,19 @@ MIN_BYTES_PER_WORKER = 2 * _slots.REGION_ALIGN + _slots.CTRL_BYTES
 __all__ = [
     "ENV_LIMIT", "ENV_TRANSPORT", "TRANSPORTS", "Packer", "Plain", "SampleStream", "ShmChannel",
     "ShmFallbackWarning", "SpaceCheck", "TorchChannel", "TransportOptions", "Unpacker",
-    "check_space", "create_channel", "is_default_collate", "resolve_transport",
+    "check_space", "create_channel", "fd_exhaustion_error", "is_default_collate",
+    "resolve_transport",
 ]
+
+# torch's DataLoader raises this, word for word, when receiving a batch fails
+# near the open-files limit (see torch's NOTE [ DataLoader on Linux and open
+# files limit ]).
+TOO_MANY_OPEN_FILES = (
+    "Too many open files. Communication with the workers is no longer possible. Please "
+    "increase the limit using `ulimit -n` in the shell or change the sharing strategy by "
+    "calling `torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning "
+    "of your code")
+FD_MARGIN = 10  # torch's margin: this close to the limit counts as out of descriptors
 
 
 @dataclass
@@ -116,6 +129,37 @@ def create_channel(num_workers: int, mp_context=None, options=None):
     return ShmChannel(num_workers, budget, source,
                       int(_option(options, "max_slots_per_worker")),
                       int(_option(options, "idle_batches")), disabled)
+
+
+def fd_exhaustion_error(exc: BaseException):
+    """torch's "Too many open files" RuntimeError, with what ran out and why, if
+    receiving a batch failed with ``exc`` because this process is out of file
+    descriptors; else None.
+
+    Only batches that go through torch's reductions pass descriptors: the
+    shared-memory slots hold one per worker, and batches kept beyond the slots
+    travel inline."""
+    try:
+        open_fds = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        open_fds = None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    out = (getattr(exc, "errno", None) in (errno.EMFILE, errno.ENFILE)
+           or "ancdata" in str(exc)
+           or (open_fds is not None and soft != resource.RLIM_INFINITY
+               and open_fds + FD_MARGIN >= soft))
+    if not out:
+        return None
+    held = f"{open_fds} of its limit of {soft}" if open_fds is not None else f"its limit of {soft}"
+    return RuntimeError(
+        f"{TOO_MANY_OPEN_FILES}\ntorchfeed: the main process holds {held} open file "
+        f"descriptors (RLIMIT_NOFILE), so the file descriptor of a batch's shared memory "
+        f"could not be received ({type(exc).__name__}: {exc}). Batches that go through "
+        f"torch's transport (transport='torch', tensors that cannot live in torchfeed's "
+        f"slots such as ones that require grad, or batches that did not fit the "
+        f"shared-memory budget) keep one descriptor open per tensor storage while they "
+        f"live. Keep fewer of them, raise the limit (`ulimit -n`), or call "
+        f"torch.multiprocessing.set_sharing_strategy('file_system').")
 
 
 class _IdentityPacker:

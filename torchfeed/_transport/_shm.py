@@ -7,9 +7,14 @@ descriptors with the process, fork inherits them.
 
 A packed batch is a tuple ``(worker_id, slot_idx, slot_uid, offset, capacity,
 pickle_bytes, leaf_descriptors)``: a few hundred bytes, whatever the batch
-size. A batch that cannot have a slot (budget or pool exhausted, shared memory
-short) is sent as ``Plain(batch)`` through torch's own reductions instead; the
-main process warns once per channel when that happens for lack of space.
+size. A batch that finds every slot of its worker's pool held by the consumer
+(``max_slots_per_worker`` batches kept, as ``list(loader)`` keeps them) is sent
+``Inline``: its leaves travel inside the message and live in the main
+process's own memory, so keeping thousands of batches costs no shared memory
+and no file descriptor per batch. A batch that cannot have a slot for lack of
+shared memory (budget exhausted, allocation failed) is sent as ``Plain(batch)``
+through torch's own reductions instead; the main process warns once per
+channel when that happens.
 
 Recycling: the unpacker gives each batch a fresh ``SlotOwner`` view of its
 slot as owner, and a weak reference to it; the callback, run when the last
@@ -38,6 +43,9 @@ import warnings
 import weakref
 from multiprocessing import reduction
 
+import numpy as np
+import torch
+
 from . import _layout, _slots, _space
 from ._collate import DirectCollate, is_default_collate
 
@@ -61,6 +69,31 @@ class Plain:
 
     def __reduce__(self):
         return (Plain, (self.batch, self.warning))
+
+
+class Inline:
+    """A batch carried inside its message: its pickle, its leaf descriptors and
+    ``buf``, a bytearray holding every leaf at the descriptors' offsets."""
+
+    __slots__ = ("data", "descs", "buf")
+
+    def __init__(self, data, descs, buf):
+        self.data, self.descs, self.buf = data, descs, buf
+
+    def __reduce__(self):
+        return (Inline, (self.data, self.descs, self.buf))
+
+
+class _BufferSlot:
+    """A bytearray dressed as a slot, for ``_layout.copy_leaves``."""
+
+    def __init__(self, nbytes):
+        self.buf = bytearray(-(-nbytes // _layout.ALIGN) * _layout.ALIGN)
+        self.arr = np.frombuffer(self.buf, np.uint8)
+        self._u8 = torch.from_numpy(self.arr) if nbytes else None
+
+    def typed(self, dtype):
+        return self._u8.view(dtype)
 
 
 def _close_fds(fds, owner_pid):
@@ -224,6 +257,14 @@ class Packer:
             self.pool.counters[_slots.C_DIRECT] += c.used
         else:
             slot, reason = self.pool.acquire(need, exclude=reserved)
+            if slot is None and reason[0] == "pool":
+                # The consumer holds every slot: the batch goes in the message.
+                if reserved is not None:
+                    p = _layout.dump(batch, 0, direct, copy_direct=True)
+                inline = _BufferSlot(p.end)
+                _layout.copy_leaves(p.leaves, inline)
+                self.pool.counters[_slots.C_FALLBACKS] += 1
+                return Inline(p.data, p.descs, inline.buf)
             if slot is None:
                 # The batch leaves through torch's reductions, later, from the
                 # queue's feeder thread: it must not point into a slot this
@@ -244,13 +285,11 @@ class Packer:
     def _warning(self, reason):
         """The one warning for this worker's first shortage of shared memory.
 
-        A full pool is not a shortage: it means the consumer holds
-        ``max_slots_per_worker`` batches of this worker, and the rest go
-        torch's way quietly (``stats()["fallbacks"]`` counts them), as a
-        ``list(loader)`` of a long epoch would.
+        A full pool is not a shortage and never gets here: the batch goes
+        ``Inline`` quietly (``stats()["fallbacks"]`` counts it).
         """
         kind = reason[0]
-        if self._warned or kind == "pool":
+        if self._warned:
             return None
         self._warned = True
         w = self.worker_id
@@ -334,6 +373,10 @@ class Unpacker:
         return _layout.load(data, descs, owner)
 
     def _plain(self, payload):
+        if type(payload) is Inline:
+            self.fallbacks += 1
+            owner = np.frombuffer(payload.buf, np.uint8).view(_layout.SlotOwner)
+            return _layout.load(payload.data, payload.descs, owner)
         if type(payload) is not Plain:
             raise TypeError(f"torchfeed: not a transport payload: {type(payload).__name__}")
         self.fallbacks += 1
@@ -355,8 +398,8 @@ class Unpacker:
         ``slots``/``bytes``: slots the workers hold now and their capacity;
         ``allocations``/``retired``: slots created/given back so far;
         ``in_use``/``in_use_bytes``: batches rebuilt here and still referenced;
-        ``fallbacks``: batches that went torch's way; ``direct_bytes``: bytes
-        stacked straight into slots by the direct collate."""
+        ``fallbacks``: batches that had no slot (inline, or torch's way);
+        ``direct_bytes``: bytes stacked straight into slots by the direct collate."""
         tot = {"slots": 0, "bytes": 0, "allocations": 0, "retired": 0, "packed": 0,
                "worker_fallbacks": 0, "direct_bytes": 0}
         if not self.closed:
@@ -423,6 +466,6 @@ def _punch_on_release(shared_map, key, unpacker=None, cap=0):
             self_.in_use_bytes -= cap
         try:
             shared_map.remove()
-        except OSError:
+        except Exception:  # noqa: BLE001 - the pages go back with the process anyway
             pass
     return release

@@ -111,9 +111,12 @@ class SharedMap:
         fin = weakref.finalize(self.array, _libc.munmap, addr, length)
         fin.atexit = False  # exiting unmaps anyway; earlier could pull memory from live views
 
-    def remove(self) -> None:
-        """Give the pages back to the system (later reads see zeros)."""
-        if _libc.madvise(self.addr, self.length, mmap.MADV_REMOVE) != 0:
+    def remove(self, _madvise=_libc.madvise, _remove=mmap.MADV_REMOVE) -> None:
+        """Give the pages back to the system (later reads see zeros).
+
+        Bound as defaults: a batch kept to the end of the program dies while
+        the interpreter tears modules down."""
+        if _madvise(self.addr, self.length, _remove) != 0:
             e = ctypes.get_errno()
             raise OSError(e, os.strerror(e))
 
