@@ -334,6 +334,7 @@ class MultiProcessIterator(BaseIterator):
     def _shutdown_workers(self) -> None:
         if self._shutdown:
             return
+        self._stats.last_look()  # the workers' memory, while they are still there
         self._receiver.stopped = True
         try:
             if self._pin_thread is not None:
