@@ -142,7 +142,7 @@ def test_iter_datapipe_resumes_into_the_same_shuffle(num_workers):
     resumed = loader()
     # A datapipe keeps no state: the resume reads the 2 batches again (same seed, same
     # shuffle) and drops them, and says so.
-    with pytest.warns(UserWarning, match="resuming reads the 2 batches"):
+    with pytest.warns(UserWarning, match="reads the 2 batches this epoch already yielded again"):
         resumed.load_state_dict(state)
         rest = [b.tolist() for b in resumed]
     assert head + rest == whole
