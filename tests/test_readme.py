@@ -81,3 +81,29 @@ def test_stall_demo_prints_a_data_bound_summary(tmp_path):
     workers = re.findall(r"^  ([01]) +\d+ +(\d+) +\d+% +[\d.]+$", out, re.M)
     assert [w for w, _ in workers] == ["0", "1"] and sum(int(n) for _, n in workers) == 40, out
     assert "verdict             data-bound" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_stateful_iterable_example_resumes(tmp_path):
+    """The Stateful IterableDataset of "What is saved", run as written."""
+    script = tmp_path / "stateful_iterable.py"
+    script.write_text(python_block("# stateful_iterable.py"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(README.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    proc = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("resumed [["), proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_copy_on_read_example_shows_the_fix(tmp_path):
+    script = tmp_path / "copy_on_read.py"
+    script.write_text(python_block("# copy_on_read.py"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(README.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    proc = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    before, after = (int(m) for m in re.findall(r"grew (\d+) MiB", proc.stdout))
+    assert before > 50 and after < 10, proc.stdout

@@ -294,3 +294,41 @@ def test_a_resume_that_fails_at_iter_stays_pending():
         iter(loader)
     assert loader.state_dict() == state  # not a new epoch from scratch
     assert [ids(b) for b in loader] == [[6, 7, 8], [9, 10, 11]]
+
+
+class FailsOnce(Range):
+    """An IterableDataset whose first __iter__ raises (a storage hiccup)."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.failed = False
+
+    def __iter__(self):
+        if not self.failed:
+            self.failed = True
+            raise ConnectionError("storage unavailable")
+        return super().__iter__()
+
+
+def test_an_iterator_that_fails_to_start_leaves_the_loaded_state_pending():
+    loader = DataLoader(Range(10), batch_size=2)
+    it = iter(loader)
+    next(it), next(it)
+    state = json.loads(json.dumps(loader.state_dict()))
+    resumed = DataLoader(FailsOnce(10), batch_size=2)
+    with pytest.warns(UserWarning, match="has no state_dict"):
+        resumed.load_state_dict(state)
+    with pytest.raises(ConnectionError):
+        iter(resumed)  # torch calls the dataset's __iter__ here
+    assert resumed.state_dict() == state
+    assert [ids(b) for b in resumed] == [[4, 5], [6, 7], [8, 9]]
+
+
+def test_a_distributed_sampler_state_for_another_seed_is_refused_naming_the_field():
+    def make(seed):
+        ds = Ids(23)
+        return lambda: DataLoader(ds, batch_size=BS, sampler=torchfeed.DistributedSampler(
+            ds, num_replicas=2, rank=0, seed=seed))
+    state = _mid_epoch_state(make(5))
+    _refused(make(6), state, r"field 'sampler_state': DistributedSampler state has seed=5 "
+                             r"but this sampler has seed=6")

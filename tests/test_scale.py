@@ -346,11 +346,11 @@ class Records(torch.utils.data.Dataset):
 @pytest.mark.timeout(90)
 def test_worker_memory_growth_from_python_objects_is_reported_and_warned_once(
         monkeypatch, caplog):
-    import torchfeed._stats as stats_module
+    import torchfeed._worker_costs as costs
 
-    monkeypatch.setattr(stats_module, "USS_GROWTH_WARN", 16 * 2**20)
-    monkeypatch.setattr(stats_module, "MEMORY_CHECK_EVERY", 0.0)  # check at every batch
-    monkeypatch.setattr(stats_module, "_memory_warned", False)
+    monkeypatch.setattr(costs, "USS_GROWTH_WARN", 16 * 2**20)
+    monkeypatch.setattr(costs, "MEMORY_CHECK_EVERY", 0.0)  # check at every batch
+    monkeypatch.setattr(costs, "_warned", False)
     records = _parent_heap(200_000)  # ~60 MiB of dicts and lists
     loader = torchfeed.DataLoader(Records(records), batch_size=None, num_workers=1,
                                   multiprocessing_context="fork")
@@ -374,7 +374,7 @@ def test_worker_memory_growth_from_python_objects_is_reported_and_warned_once(
     caplog.clear()
     array = np.array([r["id"] for r in records])
     del records
-    monkeypatch.setattr(stats_module, "_memory_warned", False)
+    monkeypatch.setattr(costs, "_warned", False)
     loader = torchfeed.DataLoader(Records(array), batch_size=None, num_workers=1,
                                   multiprocessing_context="fork")
     with caplog.at_level(logging.WARNING, logger="torchfeed"):

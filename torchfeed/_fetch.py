@@ -15,11 +15,16 @@ and called once per task.  The semantics are torch's, case by case:
   A collate that takes a ``SampleStream`` gets them lazily here too;
 * iterable without batching: one item per task.
 
+As in torch, ``iter(dataset)`` is called once per fetcher and only ``next()``
+afterwards: an ``__iter__`` that returns ``self`` and restarts the epoch
+(litdata's ``StreamingDataset``) must not be called again per batch.  A resume
+gives the fetcher the state of that iterator, loaded right after ``iter()``
+(torchdata's order; see ``_stateful.py``).
+
 ``StopIteration`` from an iterable fetcher means "this worker's stream is done".
 """
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable
 
 from ._errors import explain_lookup_error
@@ -72,21 +77,31 @@ class MapFetcher:
 
 
 class IterableFetcher:
-    def __init__(self, dataset, auto_collation: bool, collate_fn: Callable, drop_last: bool):
+    def __init__(self, dataset, auto_collation: bool, collate_fn: Callable, drop_last: bool,
+                 iterator_state=None):
         self.dataset = dataset
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
         self.drop_last = drop_last
         self._iterator = None
+        self._iterator_state = iterator_state  # a resume's, loaded right after iter()
         self.ended = False
         self.last_size = None  # samples in the latest batch when it came up short, else None
         self._lazy = takes_sample_stream(collate_fn)
+
+    @property
+    def iterator(self):
+        """What ``iter(dataset)`` returned this epoch, or None before it was called."""
+        return self._iterator
 
     def _stream(self):
         # The dataset's __iter__ runs lazily, on the first task, as in torch:
         # errors raised by it are then reported against that task.
         if self._iterator is None:
             self._iterator = iter(self.dataset)
+            state, self._iterator_state = self._iterator_state, None
+            if state is not None:
+                self._iterator.load_state_dict(state)
         return self._iterator
 
     def fetch(self, indices) -> Any:
@@ -113,13 +128,16 @@ class IterableFetcher:
             yield first
             del first  # a streaming collate may free each sample once it has copied it
             taken = 1
-            for sample in itertools.islice(stream, n - 1):
+            while taken < n:
+                try:
+                    sample = next(stream)  # never iter(stream) again: see the module doc
+                except StopIteration:
+                    short = True
+                    self.last_size = taken  # the batch is padded to n in no count
+                    return
                 taken += 1
                 yield sample
                 del sample
-            short = taken < n  # reached only when the stream is drained
-            if short:
-                self.last_size = taken  # the batch is padded to n in no count
 
         samples = SampleStream(items(first), n)
         del first
@@ -141,7 +159,8 @@ class IterableFetcher:
         return batch
 
 
-def create_fetcher(is_iterable: bool, dataset, auto_collation: bool, collate_fn, drop_last: bool):
+def create_fetcher(is_iterable: bool, dataset, auto_collation: bool, collate_fn, drop_last: bool,
+                   iterator_state=None):
     if is_iterable:
-        return IterableFetcher(dataset, auto_collation, collate_fn, drop_last)
+        return IterableFetcher(dataset, auto_collation, collate_fn, drop_last, iterator_state)
     return MapFetcher(dataset, auto_collation, collate_fn)

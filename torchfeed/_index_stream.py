@@ -10,8 +10,10 @@ whole of a checkpoint for a map-style dataset (see ``_state.py``):
 * ``frontier``: every position below it was yielded;
 * ``out_of_order``: positions at or above it yielded early (``in_order=False``),
   at most the prefetch window;
-* per worker, the state its IterableDataset copy reported with the latest batch
-  of it that was yielded, and which worker is next in the round-robin.
+* per worker, the state its dataset copy (and the iterator ``iter(dataset)``
+  returned) reported with the latest batch of it that was yielded, and which
+  worker is next in the round-robin (``_stateful.py``: an IterableDataset, or
+  a map-style dataset with ``state_dict()``/``load_state_dict()``).
 
 At the start of each epoch the stream records what is needed to rebuild it:
 the states of the RNGs the sampler and the base seed draw from (the loader's
@@ -33,6 +35,7 @@ from ._chunked_sampler import iterate
 from ._datapipes import SharedSeed, is_iter_datapipe
 from ._rng import draw_base_seed, drawing_from, encode_host_rngs, encode_rng, replaying
 from ._replay import Replay
+from ._stateful import has_worker_state, is_stateful
 from ._sampler_state import (epoch_state, may_draw_host_rngs, private_rngs, sampler_generators,
                              stateful_sampler)
 
@@ -43,7 +46,7 @@ _NOTHING = object()
 
 
 class StatefulResult:
-    """A batch and the state its worker's IterableDataset copy reported right after making it.
+    """A batch and the (dataset, iterator) state its worker reported right after making it.
 
     ``ended``: making it hit the end of the worker's stream (a short last
     batch), so the worker has nothing more this epoch.  ``samples``: how many
@@ -79,9 +82,11 @@ class IndexStream(Replay):
         self.auto_collation = loader._auto_collation
         self.num_workers = loader.num_workers
         self.persistent = bool(loader.persistent_workers and loader.num_workers > 0)
-        self.ships_state = self.is_iterable and all(
-            callable(getattr(loader.dataset, name, None))
-            for name in ("state_dict", "load_state_dict"))
+        # Whether the iterator iter(dataset) returns is Stateful is known only in the
+        # worker, so an IterableDataset's workers always report a state (None parts
+        # cost nothing); a map-style dataset's only when the dataset is Stateful.
+        self.dataset_stateful = is_stateful(loader.dataset)
+        self.ships_state = self.is_iterable or self.dataset_stateful
         self.sampler, self.sampler_protocol = (None, None) if self.is_iterable \
             else stateful_sampler(self.index_sampler)
         self.generators = sampler_generators(self.index_sampler, loader.generator)
@@ -98,7 +103,8 @@ class IndexStream(Replay):
         # epoch's other draws, in torch's order, so a resume replays it.
         self.shared = SharedSeed() if is_iter_datapipe(loader.dataset) else None
         self.shared_seed = None
-        self.worker_states = [None] * max(1, self.num_workers)
+        self.worker_states = [None] * max(1, self.num_workers)    # the datasets' states
+        self.iterator_states = [None] * max(1, self.num_workers)  # their iterators' states
 
     # -- starting an epoch --------------------------------------------------
     def start(self, fresh: bool) -> None:
@@ -122,9 +128,14 @@ class IndexStream(Replay):
         except BaseException:
             undo()  # a loaded state that failed to apply stays pending: no silent new epoch
             raise
+        self.book.undo_start = undo  # the iterator may still fail to start (_state.starting)
 
     def _open(self, plan, fresh: bool, previous) -> None:
         self.epoch = plan.epoch
+        adapter = self.book.adapter
+        if adapter is not None:  # a streaming library's dataset: its epoch, recorded now
+            adapter.started(carries=self.num_workers == 0 or (self.persistent and not fresh),
+                            previous_finished=previous is not None and previous.finished)
         self.finished = False
         self.batches_yielded = self.samples_yielded = 0
         self.frontier = self.prefix_samples = 0
@@ -138,13 +149,17 @@ class IndexStream(Replay):
         self.reread = 0              # batches to read and drop (stateless IterableDataset)
         self.exhausted = set()       # workers whose last yielded batch ended their stream
         self.end_states = {}         # worker -> its dataset's state when its stream ended
-        # What each worker loads before iterating: [dataset state or None, ended].
+        # What each worker loads: [dataset state or None, ended, iterator state or None].
         self.load_states = None
+        slots = max(1, self.num_workers)
+        self.iterator_states = [None] * slots  # every epoch calls iter(dataset) anew
         if plan.worker_states is not None:
-            self.load_states = [[ws, w in plan.exhausted]
+            its = plan.iterator_states or [None] * slots
+            self.load_states = [[ws, w in plan.exhausted, its[w]]
                                 for w, ws in enumerate(plan.worker_states)]
             self.exhausted = set(plan.exhausted)
             self.worker_states = list(plan.worker_states)
+            self.iterator_states = list(its)
         elif fresh and self.num_workers > 0:
             self.worker_states = [None] * self.num_workers  # fresh copies of the dataset
         elif previous is not None and previous is not self and self.num_workers == 0:
@@ -232,11 +247,17 @@ class IndexStream(Replay):
                 draw_base_seed(self.generator)  # keeps the generator in step
             if self.draws_base_seed and self.num_workers > 0:
                 self._draw_shared_seed(keep=False)  # so does torch's second draw
+            if self.ships_state:  # the workers go on round-robin where they were
+                self.first_worker = state["next_worker"] % max(1, self.num_workers)
             if self.is_iterable:
-                if self.ships_state:
-                    self.first_worker = state["next_worker"]
+                if state.get("dataset_state") is not None:  # the library skips what was read
+                    self.first_worker = 0
+                    self.reread = state["dataset_state"].get("reread", 0)
+                    self._next_pos = self.batches_yielded - self.reread
+                elif has_worker_state(state):
                     self._next_pos = self.batches_yielded
                 else:  # no state to restore: read the consumed batches again, and drop them
+                    self.first_worker = 0
                     self.reread = self.batches_yielded
                 return
             self._next_pos = start
@@ -294,12 +315,13 @@ class IndexStream(Replay):
         n = samples if samples is not None else len(indices) if self.auto_collation else 1
         self.batches_yielded += 1
         self.samples_yielded += n
-        if self.is_iterable:
-            if worker_state is not NO_STATE:
-                self.worker_states[worker_id] = worker_state
-                if ended:
-                    self.exhausted.add(worker_id)
+        if worker_state is not NO_STATE and worker_state is not None:
+            self.worker_states[worker_id], self.iterator_states[worker_id] = worker_state
+        if self.ships_state:
             self.first_worker = (worker_id + 1) % len(self.worker_states)
+        if self.is_iterable:
+            if ended:
+                self.exhausted.add(worker_id)
             return
         if pos == self.frontier:
             self.frontier += 1
@@ -323,15 +345,16 @@ class IndexStream(Replay):
             self.record_yield(pos, indices, worker_id)
 
     def worker_ended(self, worker_id: int, state) -> None:
-        """A worker's stream ended; ``state`` is its dataset's state after the end."""
-        if self.ships_state:
+        """A worker's stream ended; ``state``: its (dataset, iterator) state after the end."""
+        if self.ships_state and state is not None:
             self.end_states[worker_id] = state
 
     def finish(self) -> None:
         """StopIteration: every worker's stream ended, and the user has seen all of it."""
         self.finished = True
-        for worker_id, state in self.end_states.items():
+        for worker_id, (state, it_state) in self.end_states.items():
             self.worker_states[worker_id] = state
+            self.iterator_states[worker_id] = it_state
         self.end_states.clear()
 
     def at_end(self) -> bool:

@@ -83,7 +83,7 @@ class MultiProcessIterator(BaseIterator):
         self._result_queue = ctx.Queue()
         self._channel = create_channel(self._num_workers, ctx, loader)
         self._unpacker = self._channel.unpacker()
-        if self._is_iterable:  # batches may come with a dataset state or a short count
+        if self._stream.ships_state:  # batches may come with a dataset state or a short count
             self._unpacker = StatefulUnpacker(self._unpacker)
         self._receiver = ResultReceiver(self._result_queue, self._unpacker, self._stats,
                                         self._workers, self._workers_status)
@@ -338,6 +338,7 @@ class MultiProcessIterator(BaseIterator):
     def _shutdown_workers(self) -> None:
         if self._shutdown:
             return
+        self._stats.last_look()  # the workers' memory, while they are still there
         self._receiver.stopped = True
         try:
             if self._pin_thread is not None:

@@ -27,11 +27,13 @@ def resolve_transport(transport: str | None) -> str:
 def validate_options(*, seed_per_batch, snapshot_every_n_steps) -> None:
     if not isinstance(seed_per_batch, bool):
         raise TypeError(f"seed_per_batch must be True or False, but got {seed_per_batch!r}")
+    # torchdata's StatefulDataLoader takes any int (0 or None: no snapshots) and
+    # checks nothing; torchfeed ignores it, so only a non-number is refused.
     if snapshot_every_n_steps is not None and (
             isinstance(snapshot_every_n_steps, bool)
-            or not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 1):
+            or not isinstance(snapshot_every_n_steps, int)):
         raise ValueError(
-            "snapshot_every_n_steps must be a positive int or None, but got "
+            "snapshot_every_n_steps must be an int or None, but got "
             f"{snapshot_every_n_steps!r} (torchfeed ignores it: state_dict() is exact at "
             "every step)")
 

@@ -19,6 +19,7 @@ from ._fetch import create_fetcher
 from ._index_stream import NO_STATE
 from ._iterator_base import BaseIterator
 from ._pin_memory import pin_memory
+from ._stateful import StateTaker, take_state
 
 
 class SingleProcessIterator(BaseIterator):
@@ -42,13 +43,22 @@ class SingleProcessIterator(BaseIterator):
         if resume is not None and resume[0][0] is not None:
             self._dataset.load_state_dict(resume[0][0])
         self._fetcher = create_fetcher(self._is_iterable, self._dataset, self._auto_collation,
-                                       self._collate_fn, self._drop_last)
+                                       self._collate_fn, self._drop_last,
+                                       iterator_state=resume[0][2] if resume is not None else None)
+        self._taker = (StateTaker(self._dataset, self._is_iterable)
+                       if self._stream.ships_state else None)
         if resume is not None and resume[0][1]:
             self._fetcher.ended = True  # its stream ended with the last batch yielded
         elif self._is_iterable:
             # torch calls the dataset's __iter__ when the iterator is made, so
             # an error from it is raised by iter(loader), not the first next().
             self._fetcher._stream()
+        if self._taker is not None:
+            # The state at the epoch's start (after iter(dataset), as torchdata takes
+            # it): a state_dict() before the first next() replays the whole epoch even
+            # after this same dataset object has gone further.
+            state = take_state(self._taker, self._fetcher)
+            self._stream.worker_states[0], self._stream.iterator_states[0] = state
 
     def _reset(self, loader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
@@ -72,15 +82,16 @@ class SingleProcessIterator(BaseIterator):
             else:
                 data = self._fetcher.fetch(indices)  # StopIteration ends an iterable
         except StopIteration:
-            if self._stream.ships_state:  # the state its end left the dataset in
-                self._stream.worker_ended(0, self._dataset.state_dict())
+            if self._taker is not None:  # the state its end left the dataset in
+                self._stream.worker_ended(0, take_state(self._taker, self._fetcher))
             raise
         except Exception:
             self._stream.record_failure(batch_index, indices)
             raise
         state, ended = NO_STATE, False
-        if self._stream.ships_state:  # the dataset's state right after this batch
-            state, ended = self._dataset.state_dict(), self._fetcher.ended
+        if self._taker is not None:  # the dataset's and its iterator's state after this batch
+            state = take_state(self._taker, self._fetcher)
+            ended = getattr(self._fetcher, "ended", False)
         if self._pin_memory:
             data = pin_memory(data, self._pin_memory_device)
         samples = self._fetcher.last_size if self._is_iterable else None

@@ -6,10 +6,15 @@ of its batches reached the user (plus any yielded out of order), and the RNG
 states the epoch's shuffle was drawn from; resuming rebuilds the stream and
 skips the consumed positions without loading a sample.  That needs nothing from
 the workers, so a state saved with ``num_workers=a`` resumes with any ``b``.
-An IterableDataset with ``state_dict``/``load_state_dict`` adds, per worker, the
-state its copy reported with its latest batch that was yielded, and which
-worker is next in the round-robin; without them the consumed batches are read
-again and dropped, with a warning.
+A Stateful dataset, or the Stateful iterator an IterableDataset's ``iter()``
+returns (torchdata's protocol, ``_stateful.py``), adds, per worker, the state its
+copy reported with its latest batch that was yielded, and which worker is next
+in the round-robin.  An IterableDataset with neither has its consumed batches
+read again and dropped, with a warning.  Per-worker states resume with the same
+``num_workers``; a map-style dataset's also with another, when every worker's
+saved state is the same (else ``ValueError``).  A mosaicml-streaming or litdata
+``StreamingDataset`` is resumed through the library's own state API instead
+(``_streaming_adapters.py``).
 
 The format (version 1), plain values only, so it survives ``json`` and
 ``torch.load(weights_only=True)``; its size is O(num_workers)::
@@ -29,7 +34,10 @@ The format (version 1), plain values only, so it survives ``json`` and
                          } | None,
      "sampler_state": {"protocol": "position" | "epoch_start" | "set_epoch",
                        "state": ...} | None,  # set_epoch: {"epoch", "num_replicas"}
-     "worker_states": [state | None, ...] | None,           # stateful IterableDataset only
+     "worker_states": [state | None, ...] | None,   # per worker: its dataset copy's state
+     "iterator_states": [state | None, ...] | None, # per worker: its iter(dataset)'s state
+     "dataset_state": {"library": str, "state": dict, "reread": int} | None,
+                                    # a streaming library's state: _streaming_adapters.py
      "exhausted_workers": [int, ...],  # their stream ended with the last batch yielded
      "next_worker": int,
      "next_epoch_global_rng": str | None,  # at an epoch's end: the global RNG at state_dict()
@@ -40,9 +48,9 @@ An epoch is at its end when it finished, or when every batch was yielded but
 nothing called ``next()`` again (a framework that knows ``len(loader)``, as
 Lightning does): ``load_state_dict`` counts the latter as finished too.
 
-``next_epoch_global_rng``, ``next_epoch_host_rng``, ``sampler`` and
-``epoch_start_rng["host"]`` were added within version 1; a state without them
-loads as if they were None.
+``next_epoch_global_rng``, ``next_epoch_host_rng``, ``sampler``,
+``epoch_start_rng["host"]``, ``iterator_states`` and ``dataset_state`` were added
+within version 1; a state without them loads as if they were None.
 
 A sampler that is not one of torch's and has no state of its own may shuffle
 with numpy's or Python's global RNG inside ``__iter__`` (a bucketing sampler):
@@ -88,6 +96,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from contextlib import contextmanager
 
 import torch
 from torch.utils.data import IterableDataset
@@ -95,6 +104,8 @@ from torch.utils.data import IterableDataset
 from ._index_stream import IndexStream, StatefulResult
 from ._sampler_state import describe_sampler
 from ._rng import encode_host_rngs, encode_rng
+from ._stateful import check, has_worker_state, warn_stateless
+from ._streaming_adapters import adapter_for
 from ._state_validation import KIND, VERSION, check_finished, check_position, validate
 from .distributed import rank_and_world_size
 
@@ -103,7 +114,7 @@ class Plan:
     """What the next epoch started on a loader is: its number, and what to restore."""
 
     __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted", "global_rng",
-                 "host_rng", "next")
+                 "host_rng", "next", "iterator_states")
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__}
@@ -113,11 +124,13 @@ class Plan:
             setattr(self, name, value)
 
     def __init__(self, epoch: int, state=None, base_seed=None, worker_states=None,
-                 exhausted=(), global_rng=None, host_rng=None, next=None) -> None:
+                 exhausted=(), global_rng=None, host_rng=None, next=None,
+                 iterator_states=None) -> None:
         self.epoch = epoch
         self.state = state                  # a state whose epoch this one continues
         self.base_seed = base_seed          # persistent workers keep one base seed
-        self.worker_states = worker_states  # IterableDataset states to load first
+        self.worker_states = worker_states  # dataset states to load first
+        self.iterator_states = iterator_states  # loaded into what iter(dataset) returns
         self.exhausted = exhausted          # workers with nothing left this epoch
         self.global_rng = global_rng        # a new epoch's draws come from this global RNG
         self.host_rng = host_rng            # and from these numpy / Python global RNGs
@@ -132,6 +145,8 @@ _LEN_UNKNOWN = object()  # len(dataset) not asked for yet
 class ResumeBook:
     """Per-loader book-keeping: the live index stream, the epoch count, a loaded state."""
 
+    undo_start = None  # set while an iter() is starting an epoch (see starting())
+
     def __init__(self, loader) -> None:
         self.live = None      # the IndexStream of the latest epoch started
         self.next_epoch = 0
@@ -139,6 +154,7 @@ class ResumeBook:
         self.loaded = None    # the state loaded, returned by state_dict() until then
         self.warned = False   # state_dict() said once why a resume cannot be exact
         dataset = loader.dataset
+        self.adapter = adapter_for(dataset)  # mosaicml-streaming's, litdata's dataset
         iterable = isinstance(dataset, IterableDataset)
         # len(dataset) waits until a state is saved or loaded (see header):
         # torch's iter() calls it only through a sampler that needs it.
@@ -171,7 +187,7 @@ class ResumeBook:
         # like torch's loader, the copy's next iter() starts an epoch.
         return {"live": None, "next_epoch": self.next_epoch, "plan": self.plan,
                 "loaded": self.loaded, "_header": self.header, "_dataset": None,
-                "warned": self.warned}
+                "warned": self.warned, "adapter": self.adapter}
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
@@ -201,6 +217,23 @@ class ResumeBook:
         return plan
 
 
+@contextmanager
+def starting(loader):
+    """Around ``iter(loader)``: an iterator that fails to start after its epoch began
+    (a worker that cannot be started, a dataset's ``__iter__`` raising) did not start
+    the epoch, so a loaded state stays pending and the next ``iter()`` tries it again."""
+    book = ResumeBook.of(loader)
+    book.undo_start = None
+    try:
+        yield
+    except BaseException:
+        if book.undo_start is not None:
+            book.undo_start()
+        raise
+    finally:
+        book.undo_start = None
+
+
 # -- state_dict ----------------------------------------------------------------
 def state_dict(loader) -> dict:
     book = ResumeBook.of(loader)
@@ -212,7 +245,8 @@ def state_dict(loader) -> dict:
         state.update(epoch=book.next_epoch, epoch_finished=False, batches_yielded=0,
                      samples_yielded=0, out_of_order_yielded=[], base_seed=None,
                      draws_base_seed=True, epoch_start_rng=None, sampler_state=None,
-                     worker_states=None, exhausted_workers=[], next_worker=0,
+                     worker_states=None, iterator_states=None, dataset_state=None,
+                     exhausted_workers=[], next_worker=0,
                      next_epoch_global_rng=None, next_epoch_host_rng=None)
         return state
     state["epoch"] = s.epoch
@@ -225,7 +259,9 @@ def state_dict(loader) -> dict:
     state["draws_base_seed"] = s.draws_base_seed
     state["epoch_start_rng"] = s.rng
     state["sampler_state"] = s.sampler_state()
-    state["worker_states"] = list(s.worker_states) if s.ships_state else None
+    state["worker_states"] = [check(w) for w in s.worker_states] if s.ships_state else None
+    state["iterator_states"] = ([check(w) for w in s.iterator_states] if s.ships_state
+                                else None)
     state["exhausted_workers"] = sorted(s.exhausted) if s.exhausted else []
     state["next_worker"] = s.first_worker
     # Only a state at the end of an epoch pays for the encoding; a state inside an
@@ -238,6 +274,13 @@ def state_dict(loader) -> dict:
         book.warned = True
         warnings.warn(f"this DataLoader state cannot resume the epoch exactly: {reason}.",
                       stacklevel=3)
+    state["dataset_state"] = None
+    adapter = book.adapter
+    if adapter is not None:  # asked for now, never per batch
+        library_state, reread = adapter.state(
+            s, loader.num_workers == 0 or bool(loader.persistent_workers), loader)
+        state["dataset_state"] = {"library": adapter.library, "state": library_state,
+                                  "reread": reread}
     return state
 
 
@@ -261,6 +304,9 @@ def load_state_dict(loader, state) -> None:
         if shutdown is not None:
             shutdown()
         loader._iterator = None
+    if state["dataset_state"] is not None:  # validated: this loader has the same library
+        book.adapter.load(state["dataset_state"]["state"])
+    warn_stateless(loader, state, plan.epoch)
     book.plan, book.loaded, book.live = plan, state, None
     book.next_epoch = plan.epoch
 
@@ -298,14 +344,12 @@ def _plan(loader, probe: IndexStream, state: dict) -> Plan:
         # left at the saved epoch (a loop that resumes its own epoch count), the
         # saved epoch goes on, with nothing left in it, so no epoch is dealt twice.
         return Plan(epoch, state=state, next=after)
-    if probe.is_iterable and not probe.ships_state and state["batches_yielded"] > 0:
-        warnings.warn(
-            f"{type(loader.dataset).__name__} has no state_dict()/load_state_dict(), so "
-            f"resuming reads the {state['batches_yielded']} batches this epoch already "
-            "yielded again and drops them. Give the dataset state_dict() and "
-            "load_state_dict() to resume without re-reading.", stacklevel=4)
+    if probe.is_iterable and (state["dataset_state"] is not None
+                              or not has_worker_state(state)):
+        return Plan(epoch, state=state)  # the library skips, or the loader re-reads
     return Plan(epoch, state=state, worker_states=state["worker_states"],
-                exhausted=tuple(state["exhausted_workers"]))
+                exhausted=tuple(state["exhausted_workers"]),
+                iterator_states=state["iterator_states"])
 
 
 def _undo_point(loader, probe: IndexStream):

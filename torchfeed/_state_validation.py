@@ -33,7 +33,8 @@ _FIELDS = {
 }
 # Added within version 1: a state saved before they existed lacks them and still loads.
 _OPTIONAL_FIELDS = {"next_epoch_global_rng": "str or None", "sampler": "str or None",
-                    "next_epoch_host_rng": "dict or None"}
+                    "next_epoch_host_rng": "dict or None",
+                    "iterator_states": "list or None", "dataset_state": "dict or None"}
 # torch's base seed is a random int64 drawn with random_(): it lies in [0, 2**63).
 BASE_SEED_RANGE = 2 ** 63
 
@@ -99,7 +100,18 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
             check_iterable_world_size(state["world_size"], header["world_size"])
         except ValueError as exc:
             _fail(f"field 'world_size': {exc}")
-    if iterable and state["num_workers"] != header["num_workers"]:
+    library = _check_dataset_state(state["dataset_state"], loader)
+    rereads = library and state["dataset_state"].get("reread", 0) > 0
+    if iterable and rereads and state["num_workers"] != header["num_workers"]:
+        _fail(f"field 'num_workers' is {state['num_workers']} in the state but "
+              f"{header['num_workers']} in this DataLoader; this {type(loader.dataset).__name__} "
+              "state resumes by reading the epoch's first batches again, which needs the same "
+              "num_workers")
+    if iterable and library:
+        # a streaming library resumes its own position, for any num_workers
+        state["worker_states"] = state["iterator_states"] = None
+        state["exhausted_workers"], state["next_worker"] = [], 0
+    elif iterable and state["num_workers"] != header["num_workers"]:
         _fail(f"field 'num_workers' is {state['num_workers']} in the state but "
               f"{header['num_workers']} in this DataLoader; an IterableDataset's stream is "
               "split across workers, so it resumes only with the same num_workers "
@@ -138,18 +150,8 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
               f"DataLoader's base seed from, [0, 2**63); the state is corrupted")
     _check_sampler_state(state["sampler_state"], probe)
     _check_out_of_order_world_size(state["sampler_state"], pairs, probe)
-    ws = state["worker_states"]
     slots = max(1, header["num_workers"])
-    if ws is not None:
-        if not probe.ships_state:
-            _fail(f"the state has worker_states but {type(loader.dataset).__name__} has no "
-                  "state_dict()/load_state_dict()")
-        if len(ws) != slots:
-            _fail(f"field 'worker_states' has {len(ws)} entries but this DataLoader has {slots} "
-                  "worker slot(s)")
-    elif probe.ships_state and state["batches_yielded"] > 0 and not state["epoch_finished"]:
-        _fail(f"field 'worker_states' is None but {type(loader.dataset).__name__} has "
-              "state_dict(); the state was saved from a loader over another dataset")
+    _check_worker_states(state, slots, loader, probe)
     bad = [w for w in state["exhausted_workers"]
            if not isinstance(w, int) or isinstance(w, bool) or not 0 <= w < slots]
     if bad:
@@ -159,6 +161,59 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
     out = dict(state)
     out["out_of_order_yielded"] = [list(p) for p in pairs]
     return out
+
+
+def _check_dataset_state(saved, loader) -> bool:
+    """A streaming library's state (``_streaming_adapters.py``): the same library here."""
+    from ._state import ResumeBook
+
+    adapter = ResumeBook.of(loader).adapter
+    mine = adapter.library if adapter is not None else None
+    if saved is None:
+        return False  # nothing of the library's: the loader re-reads, and warns
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping):
+        _fail(f"field 'dataset_state' must be {{'library': str, 'state': dict}}, got {saved!r}")
+    reread = saved.get("reread", 0)
+    if isinstance(reread, bool) or not isinstance(reread, int) or reread < 0:
+        _fail(f"field 'dataset_state' has 'reread' {reread!r}; it must be an int >= 0")
+    if saved.get("library") != mine:
+        _fail(f"field 'dataset_state' holds a {saved.get('library')} dataset's state but this "
+              f"DataLoader's dataset is {type(loader.dataset).__name__}; use the same dataset")
+    return True
+
+
+def _check_worker_states(state: dict, slots: int, loader, probe: IndexStream) -> None:
+    """Per-worker dataset and iterator states: one per worker slot of this loader.
+
+    A map-style dataset resumes with another ``num_workers`` only if its per-worker
+    states map onto the new workers: none was saved, or all are the same state.
+    """
+    name = type(loader.dataset).__name__
+    ws, its = state["worker_states"], state["iterator_states"]
+    if ws is None:
+        if probe.dataset_stateful and state["batches_yielded"] > 0 \
+                and not state["epoch_finished"]:
+            _fail(f"field 'worker_states' is None but {name} has state_dict(); the state "
+                  "was saved from a loader over another dataset")
+        if its is not None:
+            _fail("field 'iterator_states' is set but 'worker_states' is None")
+        return
+    if any(w is not None for w in ws) and not probe.dataset_stateful:
+        _fail(f"the state has worker_states but {name} has no state_dict()/"
+              "load_state_dict() callable with no arguments")
+    if its is not None and len(its) != len(ws):
+        _fail(f"field 'iterator_states' has {len(its)} entries but 'worker_states' has "
+              f"{len(ws)}")
+    if len(ws) == slots:
+        return
+    saved = [w for w in ws if w is not None]
+    if probe.is_iterable or any(w != saved[0] for w in saved) or len(saved) not in (0, len(ws)):
+        _fail(f"field 'worker_states' holds the states of {len(ws)} worker(s)' copies of "
+              f"{name}, which differ from each other, but this DataLoader has {slots} "
+              "worker slot(s); per-worker states cannot map onto another number of workers. "
+              f"Resume with num_workers={state['num_workers']}")
+    state["worker_states"] = [saved[0] if saved else None] * slots
+    state["iterator_states"] = None if its is None else [None] * slots
 
 
 def _check_rng(rng: Mapping, loader, probe: IndexStream) -> None:

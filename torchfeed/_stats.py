@@ -25,15 +25,13 @@ With ``num_workers=0`` the main process is the worker: its fetch + collate time
 is the time spent in ``__next__``, so its busy fraction equals the stall
 fraction.
 
-Worker start and worker memory (issue 19).  Each worker's first message says
-when it was launched and when it was ready (``on_started``), so ``stats()``
-shows the seconds spent starting the workers this epoch; when that is most of
-the epoch (spawn, or forkserver, without persistent workers), the verdict and
-the log line say so and suggest ``persistent_workers=True``.  Each worker also
-reports its private memory (USS) when it was ready; ``stats()`` shows the USS
-now and the growth since.  Growth past ``USS_GROWTH_WARN`` is almost always
-copy-on-read (torch issue 13246): it is checked every ``MEMORY_CHECK_EVERY``
-seconds of iteration and logged once per process.
+Worker start and worker memory (``_worker_costs.py``): ``stats()`` shows the
+seconds spent starting the workers this epoch; when that is most of an epoch
+the loop waited on (spawn, or forkserver, without persistent workers), the
+verdict and the log line say so and suggest ``persistent_workers=True``.  It
+also shows each worker's private memory (USS) and its growth since the worker
+started, read when asked, every ``MEMORY_CHECK_EVERY`` seconds of iteration
+(for the copy-on-read warning) and just before the workers stop.
 """
 from __future__ import annotations
 
@@ -44,17 +42,14 @@ import sys
 import weakref
 from time import monotonic, perf_counter
 
-import psutil
-
+from . import _worker_costs
 from ._processes import launched_at
 
 logger = logging.getLogger("torchfeed")
 
 STALL_WARN = 0.10   # stall fractions above this are called data-bound in str()
 BUSY_SATURATED = 0.80
-START_DOMINATES = 0.5       # worker start-up above this share of the epoch is called out
-USS_GROWTH_WARN = 256 * 2**20  # a worker's private memory grown this much since its start
-MEMORY_CHECK_EVERY = 10.0   # seconds of iteration between checks of workers' memory
+START_DOMINATES = 0.5  # worker start-up above this share of the epoch is called out
 
 
 class IteratorStats:
@@ -82,7 +77,7 @@ class IteratorStats:
             self.next_log += self.log_every
             self._log(now)
         if now >= self._next_memory_check:
-            self._next_memory_check = now + MEMORY_CHECK_EVERY
+            self._next_memory_check = now + _worker_costs.MEMORY_CHECK_EVERY
             self._check_memory()
 
     def on_result(self, worker_id: int, seconds: float) -> None:
@@ -137,7 +132,7 @@ class IteratorStats:
         self.start = perf_counter()
         self._start_mono = monotonic()
         self._window = (self.start, 0.0, 0)
-        self._next_memory_check = (self.start + MEMORY_CHECK_EVERY if self.num_workers
+        self._next_memory_check = (self.start + _worker_costs.MEMORY_CHECK_EVERY if self.num_workers
                                    else float("inf"))
 
     def _iterator_gone(self, _ref) -> None:
@@ -173,17 +168,20 @@ class IteratorStats:
 
     def _read_memory(self) -> list:
         """Each live worker's private memory (USS) now, in bytes, or None."""
-        out = []
-        for pid in self._live["pids"]:
-            try:
-                out.append(psutil.Process(pid).memory_full_info().uss if pid else None)
-            except (psutil.Error, OSError, AttributeError):
-                out.append(None)
-        out = (out + [None] * self.num_workers)[:self.num_workers]
+        out = (_worker_costs.private_bytes(self._live["pids"])
+               + [None] * self.num_workers)[:self.num_workers]
         # A worker that has exited keeps its last reading.
         self._live["uss"] = [now if now is not None else last
                              for now, last in zip(out, self._live["uss"])]
         return self._live["uss"]
+
+    def last_look(self) -> None:
+        """The workers are about to stop: keep their memory figures for stats()."""
+        if self.num_workers:
+            try:
+                self._read_memory()
+            except Exception:  # statistics must never break the shutdown
+                pass
 
     def _growth(self, worker_id: int, uss):
         start = self._starts.get(worker_id)
@@ -192,36 +190,14 @@ class IteratorStats:
         return uss - start[2]
 
     def _check_memory(self) -> None:
-        global _memory_warned
-        if _memory_warned:
+        if _worker_costs._warned:
             return
         try:
             self._read_live()
-            for worker_id, uss in enumerate(self._read_memory()):
-                growth = self._growth(worker_id, uss)
-                if growth is not None and growth > USS_GROWTH_WARN:
-                    _memory_warned = True
-                    logger.warning(copy_on_read_warning(worker_id, growth, uss))
-                    return
+            uss = self._read_memory()
+            _worker_costs.check_growth([self._growth(i, u) for i, u in enumerate(uss)], uss)
         except Exception:  # statistics must never break the training loop
             logger.debug("torchfeed: could not read workers' memory", exc_info=True)
-
-    def _start_seconds(self, now: float, launched: list):
-        """(seconds from the first launch this epoch until the last worker was
-        ready, or until ``now`` while one is still starting; the seconds from that
-        launch to ``now``), or (None, None) when no worker started this epoch."""
-        now += self._start_mono - self.start  # perf_counter() to monotonic()
-        spans = []
-        for i in range(self.num_workers):
-            record = self._starts.get(i)
-            if record is not None:
-                spans.append(record[:2])
-            elif i < len(launched) and launched[i] is not None and launched[i] >= self._begun:
-                spans.append((launched[i], now))  # launched this epoch, not ready yet
-        if not spans:
-            return None, None
-        first = min(a for a, _ in spans)
-        return max(b for _, b in spans) - first, now - first
 
     def snapshot(self) -> LoaderStats:
         it = self._iterator()
@@ -245,7 +221,9 @@ class IteratorStats:
                     "start_seconds": None if starts[i] is None else starts[i][1] - starts[i][0],
                     "uss_bytes": uss[i], "uss_growth_bytes": self._growth(i, uss[i])}
                    for i in range(len(batches))]
-        start_seconds, since_launch = self._start_seconds(now, live.get("launched") or [])
+        start_seconds, since_launch = _worker_costs.start_span(
+            self._starts, live.get("launched") or [], self._begun,
+            now + self._start_mono - self.start, self.num_workers)  # perf_counter to monotonic
         in_flight, ready = live["queues"]
         running = it is not None and self.end is None and not getattr(it, "_shutdown", False)
         return LoaderStats(
@@ -379,21 +357,8 @@ def start_advice(s) -> str:
     return text + "; pass persistent_workers=True to start them once instead of at every epoch"
 
 
-def copy_on_read_warning(worker_id: int, growth: int, uss) -> str:
-    return (f"DataLoader worker {worker_id}'s private memory grew by {_size(growth)} since it "
-            f"started (now {_size(uss)}). This is most often copy-on-read: every read of a "
-            "Python object (a list, dict or str) the dataset holds writes its reference "
-            "count, so each worker slowly copies the parent's memory pages (pytorch issue "
-            "13246). Hold the data in numpy arrays, tensors or Arrow-backed storage (a "
-            "pyarrow Table, a Hugging Face dataset) instead of Python lists and dicts. "
-            "See the README, 'Workers' memory grows'. (Logged once.)")
-
-
 def running_now(it, stats) -> bool:
     return it is not None and stats.end is None and not getattr(it, "_shutdown", False)
-
-
-_memory_warned = False
 
 
 def empty_stats(loader) -> LoaderStats:

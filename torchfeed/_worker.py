@@ -4,8 +4,9 @@ A worker seeds itself as torch does, publishes ``get_worker_info()``, runs
 ``worker_init_fn``, then answers tasks from its own index queue until told to
 stop.  Each answer is one message on the shared result queue:
 ``(send_idx, worker_id, pickled payload, seconds)``, where payload is the packed
-batch (for an IterableDataset with ``state_dict``, wrapped with the state its copy
-reported right after making it), a ``WorkerFailure`` or an ``IterableExhausted``
+batch (wrapped, for an IterableDataset or a Stateful dataset, with the state its
+copy and its iterator reported right after making it: ``_stateful.py``), a
+``WorkerFailure`` or an ``IterableExhausted``
 marker, and seconds is the time fetch + collate + pack + pickle took (for
 ``DataLoader.stats()``).  Small messages are written by the worker's main
 thread itself (``_result_writer.py``), larger ones by the queue's feeder thread.
@@ -49,6 +50,7 @@ from ._fetch import create_fetcher
 from ._index_stream import StatefulResult
 from ._pickling import describe_unpicklable, find_unpicklable
 from ._pipe_reader import wait_ready
+from ._stateful import StateTaker, take_state
 from ._result_writer import ResultWriter
 from ._transport import Plain
 
@@ -72,7 +74,7 @@ class ResumeIteration:
 @dataclass
 class IterableExhausted:
     worker_id: int
-    state: Any = None  # a stateful IterableDataset's state once its stream ended
+    state: Any = None  # its (dataset, iterator) state once its stream ended
 
 
 @dataclass
@@ -89,10 +91,10 @@ class WorkerSpec:
     epoch: int
     seed_per_batch: bool
     main_pid: int
-    # A stateful IterableDataset: each worker loads its [state, ended] entry
-    # before iterating (a resume), and sends its state with every batch.
+    # A resume: each worker loads its [dataset state, ended, iterator state]
+    # entry (the dataset's before iterating, the iterator's after iter()).
     resume_states: list | None = None
-    ships_state: bool = False
+    ships_state: bool = False  # send the (dataset, iterator) state with every batch
     shared_seed: int | None = None  # an IterDataPipe's (_datapipes.py)
 
 
@@ -236,9 +238,11 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     collate_fn = packer.choose_collate(spec.collate_fn)
     epoch = spec.epoch
     fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
-                             collate_fn, spec.drop_last)
+                             collate_fn, spec.drop_last,
+                             iterator_state=resume[2] if resume is not None else None)
     if resume is not None and resume[1]:
         fetcher.ended = True  # its stream ended with the last batch the user got
+    taker = StateTaker(dataset, spec.is_iterable) if spec.ships_state else None
     exhausted = False
     results = ResultWriter(result_queue)
     index_fds = [index_queue._reader.fileno()]
@@ -270,7 +274,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             if init_failure is not None:
                 payload, init_failure = init_failure.answering(task.indices, task.batch_index), None
             else:
-                payload = _run_task(task, fetcher, spec, worker_id, epoch, packer)
+                payload = _run_task(task, fetcher, taker, spec, worker_id, epoch, packer)
                 if isinstance(payload, IterableExhausted):
                     exhausted = True
             message = _serialize(task.send_idx, payload, worker_id, task, plain_tuples)
@@ -298,16 +302,16 @@ def _private_bytes() -> int:
         return 0  # not readable here: stats show no figure
 
 
-def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int, packer):
+def _run_task(task: Task, fetcher, taker, spec: WorkerSpec, worker_id: int, epoch: int,
+              packer):
     if spec.seed_per_batch:
         _seeding.seed_batch(spec.base_seed, epoch, task.batch_index)
     try:
         batch = fetcher.fetch(task.indices)
-        state = fetcher.dataset.state_dict() if spec.ships_state else None
+        state = take_state(taker, fetcher)
     except StopIteration:
         if spec.is_iterable:
-            return IterableExhausted(
-                worker_id, fetcher.dataset.state_dict() if spec.ships_state else None)
+            return IterableExhausted(worker_id, take_state(taker, fetcher))
         return WorkerFailure(RuntimeError("StopIteration raised while fetching a batch"),
                              worker_id, "fetching", task.indices, task.batch_index)
     except Exception as exc:
@@ -320,6 +324,8 @@ def _run_task(task: Task, fetcher, spec: WorkerSpec, worker_id: int, epoch: int,
             return _unsendable(exc, describe_unpicklable(batch), worker_id, task)
         return WorkerFailure(exc, worker_id, "packing", task.indices, task.batch_index)
     short = fetcher.last_size if spec.is_iterable else None  # the samples a short batch holds
-    if spec.ships_state or short is not None:
-        return StatefulResult(payload, state, fetcher.ended, short)
+    if state is not None and state[0] is None and state[1] is None:
+        state = None  # nothing Stateful here: the batch goes unwrapped, as without state
+    if (spec.ships_state and state is not None) or short is not None:
+        return StatefulResult(payload, state, getattr(fetcher, "ended", False), short)
     return payload

@@ -91,7 +91,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             # worker died, the pin thread failed) that the user caught: torch
             # would re-raise that error at every later iter(); start fresh workers.
             self._iterator = None
-        iterator = super().__iter__()
+        with _state.starting(self):
+            iterator = super().__iter__()
         iterator._stats.start_clock()  # when the user has it; counts began before any task
         self._stats_source = iterator._stats    # not the iterator: stats keep no worker alive
         return iterator

@@ -1,0 +1,81 @@
+"""What workers cost besides their batches: the time to start them, and their
+private memory (issue 19).
+
+Each worker's first message says when it was launched and when it was ready
+(``time.monotonic()``, one clock for all processes on the machine) and its
+private memory (USS) then; ``_stats.py`` keeps those per epoch.  This module
+reads workers' USS now, works out the seconds spent starting workers this
+epoch, and logs the copy-on-read warning: a worker whose USS grew by more than
+``USS_GROWTH_WARN`` since it started is almost always copying the parent's
+Python objects page by page as it reads them (pytorch issue 13246).  The
+growth is checked every ``MEMORY_CHECK_EVERY`` seconds of iteration, and the
+warning is logged once per process.
+"""
+from __future__ import annotations
+
+import logging
+
+import psutil
+
+logger = logging.getLogger("torchfeed")
+
+USS_GROWTH_WARN = 256 * 2**20  # a worker's private memory grown this much since its start
+MEMORY_CHECK_EVERY = 10.0      # seconds of iteration between checks of workers' memory
+
+_warned = False
+
+
+def private_bytes(pids) -> list:
+    """Each process's private memory (USS) in bytes, or None where it cannot be read."""
+    out = []
+    for pid in pids:
+        try:
+            out.append(psutil.Process(pid).memory_full_info().uss if pid else None)
+        except (psutil.Error, OSError, AttributeError):
+            out.append(None)
+    return out
+
+
+def start_span(starts: dict, launched: list, begun: float, now: float, num_workers: int):
+    """(seconds from the first launch this epoch until the last worker was
+    ready, or until ``now`` while one is still starting; the seconds from that
+    launch to ``now``), or (None, None) when no worker started this epoch.
+
+    ``starts``: worker -> (launched, ready, USS) from its first message;
+    ``launched``: each current worker process's launch time; ``begun``: when the
+    epoch began (a persistent worker launched before it started in an earlier
+    epoch).  All in ``time.monotonic()`` seconds."""
+    spans = []
+    for i in range(num_workers):
+        record = starts.get(i)
+        if record is not None:
+            spans.append(record[:2])
+        elif i < len(launched) and launched[i] is not None and launched[i] >= begun:
+            spans.append((launched[i], now))  # launched this epoch, not ready yet
+    if not spans:
+        return None, None
+    first = min(a for a, _ in spans)
+    return max(b for _, b in spans) - first, now - first
+
+
+def check_growth(growth: list, uss: list) -> None:
+    """Log the copy-on-read warning, once per process, for the first worker
+    that grew past ``USS_GROWTH_WARN``."""
+    global _warned
+    if _warned:
+        return
+    for worker_id, (grown, now) in enumerate(zip(growth, uss)):
+        if grown is not None and grown > USS_GROWTH_WARN:
+            _warned = True
+            logger.warning(copy_on_read_warning(worker_id, grown, now))
+            return
+
+
+def copy_on_read_warning(worker_id: int, growth: int, uss: int) -> str:
+    return (f"DataLoader worker {worker_id}'s private memory grew by {growth / 2**20:.0f} MiB "
+            f"since it started (now {uss / 2**20:.0f} MiB). This is most often copy-on-read: "
+            "every read of a Python object (a list, dict or str) the dataset holds writes its "
+            "reference count, so each worker slowly copies the parent's memory pages (pytorch "
+            "issue 13246). Hold the data in numpy arrays, tensors or Arrow-backed storage (a "
+            "pyarrow Table, a Hugging Face dataset) instead of Python lists and dicts. See the "
+            "README, 'Workers' memory grows'. (Logged once.)")
