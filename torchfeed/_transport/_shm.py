@@ -112,10 +112,8 @@ class ShmChannel:
     kind = "shm"
 
     def __init__(self, num_workers: int, budget: int, budget_source: str,
-                 max_slots: int, idle_batches: int, disabled_warning=None,
-                 warm_slots: int = _slots.WARM_SLOTS):
+                 max_slots: int, idle_batches: int, disabled_warning=None):
         self.num_workers = num_workers
-        self.warm_slots = warm_slots
         self.budget = budget
         self.budget_source = budget_source
         self.max_slots = max_slots
@@ -340,7 +338,10 @@ class Unpacker:
         self.closed = False
         self.in_use = 0
         self.in_use_bytes = 0
-        self.warm = channel.warm_slots  # 1 while idle, after trim()
+        # While the loader is idle (after trim()), a released slot gives its
+        # memory back if its worker already has a free one. Not while batches
+        # flow: reusing slots is what makes the transport fast.
+        self.idle = False
         self.unpacked = 0
         self.fallbacks = 0
 
@@ -365,20 +366,15 @@ class Unpacker:
             if self_ is not None:
                 self_.in_use -= 1
                 self_.in_use_bytes -= cap
-                cache = self_._cache[w] if not self_.closed else {}
-                warm, free = self_.warm, 0
+                cache = self_._cache[w] if self_.idle and not self_.closed else {}
                 # A snapshot: the pin thread may add a slot to the cache meanwhile.
                 for j in tuple(cache):
                     if j != idx and states[j] == FREE:
-                        free += 1
-                        if free >= warm:
-                            # The worker has warm slots enough: give this
-                            # one's memory back now, rather than keep it for a
-                            # batch that may not come (see _slots.py).
-                            entry = cache.get(idx)
-                            if entry is not None and _punch(entry, states, idx):
-                                return
-                            break
+                        # Idle, and the worker has a free slot already.
+                        entry = cache.get(idx)
+                        if entry is not None and _punch(entry, states, idx):
+                            return
+                        break
             states[idx] = FREE
         return release
 
@@ -388,7 +384,7 @@ class Unpacker:
         worker builds a batch: between epochs."""
         if self.closed:
             return
-        self.warm = 1  # and batches released while idle keep it so
+        self.idle = True  # and batches released while idle follow suit
         for w, cache in enumerate(self._cache):
             states = self._ctrl[w].states
             free = sorted((e.cap, idx) for idx, e in cache.items() if states[idx] == _slots.FREE)
@@ -408,7 +404,7 @@ class Unpacker:
                                "batch in it was still alive (a bug; please report it)")
         owner = entry.base.view(_layout.SlotOwner)
         entry.ref = weakref.ref(owner, entry.release)
-        self.warm = self._channel.warm_slots
+        self.idle = False
         self.in_use += 1
         self.in_use_bytes += entry.cap
         self.unpacked += 1
@@ -432,6 +428,11 @@ class Unpacker:
         if type(payload) is tuple and not self.closed:
             w, idx, uid = payload[0], payload[1], payload[2]
             if _slots.uid_generation(uid) == self._channel._generations[w]:
+                entry = self._cache[w].get(idx)
+                if entry is not None and entry.uid != uid:
+                    # Stale: it maps the region of a slot since retired, which
+                    # trim() must never give back.
+                    del self._cache[w][idx]
                 self._ctrl[w].states[idx] = _slots.FREE
 
     def stats(self) -> dict:

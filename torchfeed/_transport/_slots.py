@@ -20,12 +20,12 @@ it belongs to the main process). The worker flips FREE to IN_FLIGHT before it
 sends a batch; the main process flips it back when the last view of that batch
 dies. Ownership alternates, so one byte with no lock is enough. A slot the
 worker has taken for the batch it is building is ``FILLING``, and one it gave
-back is ``RETIRED``: to the main process, neither is free. When the worker
-already has ``WARM_SLOTS`` free slots, the main process gives the memory of
-the slot it releases back to the system first and marks it ``PUNCHED``; the
-worker then forgets it. At the end of an epoch the main process does the same
-for every free slot but one per worker (``Unpacker.trim``), so an idle
-persistent loader holds one slot per worker.
+back is ``RETIRED``: to the main process, neither is free. At the end of an
+epoch of a persistent loader, the main process gives the memory of every free
+slot but one per worker back to the system and marks those ``PUNCHED``
+(``Unpacker.trim``), and does the same for slots released while the loader is
+idle; the worker then forgets them. So an idle loader holds one slot per
+worker. While batches flow, slots are kept and reused.
 
 Every region is allocated with ``posix_fallocate`` before it is mapped, so a
 shortage is an ``OSError`` (ENOSPC/ENOMEM), never a SIGBUS on first touch.
@@ -54,10 +54,6 @@ MAX_SLOTS = CTRL_BYTES - STATES_AT
 REGION_ALIGN = 1 << 16
 FIRST_REGION = REGION_ALIGN
 FREE, IN_FLIGHT, PUNCHED, FILLING, RETIRED = 0, 1, 2, 3, 4
-# Free slots a worker keeps warm when the main process releases another: more
-# would hold memory for batches that may not come, fewer makes a worker with
-# prefetch_factor=2 allocate anew every few batches.
-WARM_SLOTS = 2
 
 # A free slot at least this much and 4x bigger than the batches it now carries
 # is given back after SHRINK_AFTER such batches, and a right-sized one made.
