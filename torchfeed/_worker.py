@@ -13,8 +13,8 @@ thread itself (``_result_writer.py``), larger ones by the queue's feeder thread.
 A worker's first messages also carry ``(launched_at, ready_at, private bytes)``:
 when the main process started it and when it was ready for its first task
 (``time.monotonic()``, one clock for all processes), and its private memory
-(USS) at start, 0 until a thread has read it (by the second message), for
-``DataLoader.stats()``.
+(USS) just after its first batch, read by a thread and sent with the second
+message, for ``DataLoader.stats()``.
 
 Two rules keep the main process from ever hanging on a worker:
 
@@ -248,14 +248,14 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     results = ResultWriter(result_queue)
     index_fds = [index_queue._reader.fileno()]
     plain_tuples = packer.plain_tuples
-    # Sent with the first message, and again once the USS is in: reading it
-    # walks the page tables of everything inherited (tens to hundreds of ms
-    # under a big parent heap), so a thread does it off the first batch's path.
+    # Sent with the first message, and with the USS with the second: reading
+    # it walks the page tables of everything inherited (tens to hundreds of
+    # ms under a big parent heap), so a thread does it once the first batch
+    # is on its way.
     started = [launched_at, time.monotonic(), None]
     reading = threading.Thread(target=_read_start_memory, args=(started,),
                                name="torchfeed-uss", daemon=True)
-    reading.start()
-    start_reported = first_sent = False
+    start_reported = False
     try:
         while True:
             # Queue.get(timeout=...) builds and tears down a selector per call;
@@ -289,12 +289,13 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             busy = time.perf_counter() - start  # fetch + collate + pack + pickle, for stats
             if start_reported:
                 results.put((*message, busy))
-            else:
-                if first_sent:
-                    reading.join()  # the first batch never waits for it; the second does
-                uss = started[2]
-                results.put((*message, busy, started[0], started[1], uss or 0))
-                start_reported, first_sent = uss is not None, True
+            elif reading.ident is None:  # the first message: read the USS after it
+                results.put((*message, busy, started[0], started[1], 0))
+                reading.start()
+            else:  # the second message waits for the reading (a CPU it would compete with)
+                reading.join()
+                results.put((*message, busy, *started))
+                start_reported = True
             del payload, task
     except BrokenPipeError:
         pass  # the main process is gone; the watchdog would end us in a moment
