@@ -322,3 +322,13 @@ def test_an_iterator_that_fails_to_start_leaves_the_loaded_state_pending():
         iter(resumed)  # torch calls the dataset's __iter__ here
     assert resumed.state_dict() == state
     assert [ids(b) for b in resumed] == [[4, 5], [6, 7], [8, 9]]
+
+
+def test_a_distributed_sampler_state_for_another_seed_is_refused_naming_the_field():
+    def make(seed):
+        ds = Ids(23)
+        return lambda: DataLoader(ds, batch_size=BS, sampler=torchfeed.DistributedSampler(
+            ds, num_replicas=2, rank=0, seed=seed))
+    state = _mid_epoch_state(make(5))
+    _refused(make(6), state, r"field 'sampler_state': DistributedSampler state has seed=5 "
+                             r"but this sampler has seed=6")

@@ -29,46 +29,51 @@ def _bucketed(num_workers=0):
     return DataLoader(Ids(N), batch_sampler=BucketSampler(N, BS), num_workers=num_workers)
 
 
-def _resume_in_a_fresh_process(state, num_workers):
+def _resume_in_a_fresh_process(cases):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE,
                                          env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, os.path.join(HERE, "_resume_host_child.py"),
-                          str(num_workers), "1"], input=json.dumps(state), env=env,
-                         capture_output=True, text=True, timeout=90)
+    out = subprocess.run([sys.executable, os.path.join(HERE, "_resume_host_child.py")],
+                         input=json.dumps(cases), env=env, capture_output=True, text=True,
+                         timeout=90)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("saved_workers, resumed_workers, k", [
+CASES = [  # (saved with num_workers, resumed with, batches taken: None = the whole epoch)
     (0, 0, 2),      # inside the epoch
     (2, 2, 6),      # after its last batch, no StopIteration: the next epoch
     (0, 2, None),   # after the for loop: the next epoch
-])
-def test_bucketing_sampler_resumes_exactly_in_a_fresh_process(saved_workers, resumed_workers,
-                                                               k):
-    np.random.seed(1)
-    random.seed(1)
-    reference = _bucketed(saved_workers)
-    full = [[ids(b) for b in reference] for _ in range(2)]
+]
 
-    np.random.seed(1)
-    random.seed(1)
-    loader = _bucketed(saved_workers)
-    it = iter(loader)
-    taken = [ids(b) for b in it] if k is None else [ids(next(it)) for _ in range(k)]
-    assert taken == full[0][:len(taken)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # this sampler resumes exactly: no warning
-        state = json.loads(json.dumps(loader.state_dict()))
-    del it, loader
 
-    got = _resume_in_a_fresh_process(state, resumed_workers)
-    expected = full[0][k:] if k is not None and k < len(full[0]) else full[1]
-    assert got["epochs"][0] == expected
-    assert got["untouched"], "the resume moved the process's numpy or Python global RNG"
-    assert set(state["epoch_start_rng"]["host"]) == {"numpy", "python"}
+@pytest.mark.timeout(120)
+def test_bucketing_sampler_resumes_exactly_in_a_fresh_process():
+    cases, expected = [], []
+    for saved_workers, resumed_workers, k in CASES:
+        np.random.seed(1)
+        random.seed(1)
+        reference = _bucketed(saved_workers)
+        full = [[ids(b) for b in reference] for _ in range(2)]
+
+        np.random.seed(1)
+        random.seed(1)
+        loader = _bucketed(saved_workers)
+        it = iter(loader)
+        taken = [ids(b) for b in it] if k is None else [ids(next(it)) for _ in range(k)]
+        assert taken == full[0][:len(taken)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # this sampler resumes exactly: no warning
+            state = json.loads(json.dumps(loader.state_dict()))
+        del it, loader
+        cases.append([state, resumed_workers])
+        expected.append(full[0][k:] if k is not None and k < len(full[0]) else full[1])
+
+    got = _resume_in_a_fresh_process(cases)  # one process, seeded otherwise, for all cases
+    for case, result, want, (state, _) in zip(CASES, got, expected, cases):
+        assert result["epoch"] == want, case
+        assert result["untouched"], f"{case}: the resume moved numpy's or Python's global RNG"
+        assert set(state["epoch_start_rng"]["host"]) == {"numpy", "python"}
 
 
 def test_torch_samplers_record_no_host_rngs():

@@ -199,3 +199,29 @@ def test_stateless_iterable_resumed_in_a_later_epoch_warns_once():
     assert "resumes in epoch 1: a dataset that keeps its own epoch counter or shuffle state " \
            "restarts it" in text
     assert "state_dict() and load_state_dict(state) with no arguments" in text
+
+
+def test_stateless_warning_points_at_the_callers_line():
+    from _resume_helpers import Stream
+
+    loader = DataLoader(Stream(10), batch_size=2)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DataLoader(Stream(10), batch_size=2).load_state_dict(state)
+    assert [w.filename for w in caught] == [__file__]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_hugging_face_iterable_dataset_still_resumes_exactly(num_workers):
+    # HF datasets' IterableDataset is Stateful (state_dict() with no arguments) and its
+    # __iter__ is a generator: its own state, per worker, as before.
+    from datasets import Dataset as HFDataset
+
+    def make():
+        ds = HFDataset.from_dict({"x": list(range(60))}).to_iterable_dataset(num_shards=4)
+        return DataLoader(ds, batch_size=4, num_workers=num_workers)
+    check_resume(make, 5, epochs=1)

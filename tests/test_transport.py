@@ -252,6 +252,21 @@ def test_slot_grows_for_a_bigger_batch():
 
 
 @pytest.mark.timeout(60)
+def test_slot_grown_for_a_rare_huge_batch_shrinks_when_batches_are_small_again():
+    with h.Pipeline(1) as p:
+        i, b = p.get("sized", n=128)  # 8 MiB
+        assert b["data"].shape == (128 * 16384,)
+        del b
+        arena = p.channel._fds[0]
+        assert os.fstat(arena).st_blocks * 512 >= 8 << 20
+        for _ in range(_slots.SHRINK_AFTER + 2):
+            i, b = p.get("sized", n=1)  # 64 KiB
+            assert float(b["data"][-1]) == float(i)
+            del b
+        assert os.fstat(arena).st_blocks * 512 < 1 << 20
+
+
+@pytest.mark.timeout(60)
 def test_pool_cap_bounds_slots_and_the_rest_travel_inline_quietly():
     with h.Pipeline(1, options={"max_slots_per_worker": 3}) as p:
         fds = len(os.listdir("/proc/self/fd"))

@@ -35,7 +35,7 @@ from ._chunked_sampler import iterate
 from ._datapipes import SharedSeed, is_iter_datapipe
 from ._rng import draw_base_seed, drawing_from, encode_host_rngs, encode_rng, replaying
 from ._replay import Replay
-from ._stateful import is_stateful
+from ._stateful import has_worker_state, is_stateful
 from ._sampler_state import (epoch_state, may_draw_host_rngs, private_rngs, sampler_generators,
                              stateful_sampler)
 
@@ -68,12 +68,6 @@ class StatefulResult:
     def pin_memory(self):  # the pin-memory thread pins what is inside
         from ._pin_memory import pin_memory
         return StatefulResult(pin_memory(self.value), self.state, self.ended, self.samples)
-
-
-def has_worker_state(state: dict) -> bool:
-    """A saved state holds some worker's dataset or iterator state."""
-    return any(ws is not None for ws in state["worker_states"] or ()) or any(
-        its is not None for its in state.get("iterator_states") or ())
 
 
 class IndexStream(Replay):

@@ -287,6 +287,10 @@ class MultiProcessIterator(BaseIterator):
             else:
                 if not self._persistent_workers:
                     self._shutdown_workers()
+                else:  # idle until the next epoch: keep one slot per worker
+                    trim = getattr(self._unpacker, "trim", None)
+                    if trim is not None:
+                        trim()
                 raise StopIteration
 
             if self._rcvd_idx in self._arrived:

@@ -30,6 +30,14 @@ def _advance(iterator, n):
 class Replay:
     """The replay half of ``IndexStream``; see the module docstring."""
 
+    def _load_sampler(self, state) -> None:
+        """The sampler's own ``load_state_dict``; its ValueError names the field it sits in."""
+        try:
+            self.sampler.load_state_dict(state)
+        except ValueError as exc:
+            raise ValueError(f"cannot load this DataLoader state: field 'sampler_state': "
+                             f"{exc}") from exc
+
     def saved_sampler_epoch(self, state: dict):
         """The epoch ``state`` names for this loader's sampler with ``set_epoch``, or None."""
         return saved_sampler_epoch(state, self.sampler)
@@ -68,7 +76,7 @@ class Replay:
         sampler_state = state["sampler_state"]
         with replaying(self.generator, self.generators, state["epoch_start_rng"]):
             if sampler_state is not None and sampler_state["protocol"] == "epoch_start":
-                self.sampler.load_state_dict(sampler_state["state"])
+                self._load_sampler(sampler_state["state"])
             self._draw_shared_seed(keep=False)
             it = iterate(self.index_sampler)
             if state["draws_base_seed"]:
@@ -98,7 +106,7 @@ class Replay:
         protocol = None if sampler_state is None else sampler_state["protocol"]
         with replaying(self.generator, self.generators, state["epoch_start_rng"]):
             if protocol in ("position", "epoch_start"):
-                self.sampler.load_state_dict(sampler_state["state"])
+                self._load_sampler(sampler_state["state"])
             self._draw_shared_seed(keep=False)  # the draws replay_to_end makes, in its order
             it = iterate(self.index_sampler)
             if state["draws_base_seed"]:

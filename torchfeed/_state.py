@@ -101,10 +101,10 @@ from contextlib import contextmanager
 import torch
 from torch.utils.data import IterableDataset
 
-from ._index_stream import IndexStream, StatefulResult, has_worker_state
+from ._index_stream import IndexStream, StatefulResult
 from ._sampler_state import describe_sampler
 from ._rng import encode_host_rngs, encode_rng
-from ._stateful import check
+from ._stateful import check, has_worker_state, warn_stateless
 from ._streaming_adapters import adapter_for
 from ._state_validation import KIND, VERSION, check_finished, check_position, validate
 from .distributed import rank_and_world_size
@@ -306,7 +306,7 @@ def load_state_dict(loader, state) -> None:
         loader._iterator = None
     if state["dataset_state"] is not None:  # validated: this loader has the same library
         book.adapter.load(state["dataset_state"]["state"])
-    _warn_stateless(loader, state, plan.epoch)
+    warn_stateless(loader, state, plan.epoch)
     book.plan, book.loaded, book.live = plan, state, None
     book.next_epoch = plan.epoch
 
@@ -350,31 +350,6 @@ def _plan(loader, probe: IndexStream, state: dict) -> Plan:
     return Plan(epoch, state=state, worker_states=state["worker_states"],
                 exhausted=tuple(state["exhausted_workers"]),
                 iterator_states=state["iterator_states"])
-
-
-def _warn_stateless(loader, state: dict, epoch: int) -> None:
-    """One warning for an IterableDataset resumed without any state of its own."""
-    if not isinstance(loader.dataset, IterableDataset) or state["dataset_state"] is not None \
-            or has_worker_state(state):
-        return
-    reread = 0 if state["epoch_finished"] else state["batches_yielded"]
-    if reread == 0 and epoch == 0:
-        return  # the start of the first epoch: nothing to restore
-    name = type(loader.dataset).__name__
-    parts = [f"{name} has no state_dict()/load_state_dict() that can be called with no "
-             "arguments, nor has the iterator its __iter__ returns, so torchfeed cannot "
-             "restore their own state."]
-    if reread:
-        parts.append(f"Resuming reads the {reread} batches this epoch already yielded again "
-                     "and drops them.")
-    if epoch > 0:
-        parts.append(f"The loader resumes in epoch {epoch}: a dataset that keeps its own "
-                     "epoch counter or shuffle state restarts it in the new process, so this "
-                     "epoch can come out in another order, repeating some samples and missing "
-                     "others.")
-    parts.append("Give the dataset (or its iterator) state_dict() and load_state_dict(state) "
-                 "with no arguments (torchdata's Stateful protocol) to resume exactly.")
-    warnings.warn(" ".join(parts), stacklevel=3)
 
 
 def _undo_point(loader, probe: IndexStream):

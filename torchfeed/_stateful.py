@@ -19,11 +19,16 @@ when the state is asked for.
 
 Restoring follows torchdata's order: ``dataset.load_state_dict`` first, then
 ``iter(dataset)`` (exactly once, as in any epoch), then ``load_state_dict`` on
-the iterator it returned.
+the iterator it returned.  An IterableDataset resumed with no state at all
+(neither Stateful nor a streaming library's) gets one warning naming what a
+resume without state risks and how to give it one.
 """
 from __future__ import annotations
 
 import inspect
+import warnings
+
+from torch.utils.data import IterableDataset
 
 
 def _binds(method, *args) -> bool:
@@ -115,3 +120,34 @@ def check(state):
     if type(state) is StateFailure:
         state.raise_()
     return state
+
+
+def has_worker_state(state: dict) -> bool:
+    """A saved state holds some worker's dataset or iterator state."""
+    return any(ws is not None for ws in state["worker_states"] or ()) or any(
+        its is not None for its in state.get("iterator_states") or ())
+
+
+def warn_stateless(loader, state: dict, epoch: int) -> None:
+    """One warning for an IterableDataset resumed without any state of its own."""
+    if not isinstance(loader.dataset, IterableDataset) or state["dataset_state"] is not None \
+            or has_worker_state(state):
+        return
+    reread = 0 if state["epoch_finished"] else state["batches_yielded"]
+    if reread == 0 and epoch == 0:
+        return  # the start of the first epoch: nothing to restore
+    name = type(loader.dataset).__name__
+    parts = [f"{name} has no state_dict()/load_state_dict() that can be called with no "
+             "arguments, nor has the iterator its __iter__ returns, so torchfeed cannot "
+             "restore their own state."]
+    if reread:
+        parts.append(f"Resuming reads the {reread} batches this epoch already yielded again "
+                     "and drops them.")
+    if epoch > 0:
+        parts.append(f"The loader resumes in epoch {epoch}: a dataset that keeps its own "
+                     "epoch counter or shuffle state restarts it in the new process, so this "
+                     "epoch can come out in another order, repeating some samples and missing "
+                     "others.")
+    parts.append("Give the dataset (or its iterator) state_dict() and load_state_dict(state) "
+                 "with no arguments (torchdata's Stateful protocol) to resume exactly.")
+    warnings.warn(" ".join(parts), stacklevel=4)  # the caller of loader.load_state_dict

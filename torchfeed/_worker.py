@@ -340,6 +340,8 @@ def _run_task(task: Task, fetcher, taker, spec: WorkerSpec, worker_id: int, epoc
             return _unsendable(exc, describe_unpicklable(batch), worker_id, task)
         return WorkerFailure(exc, worker_id, "packing", task.indices, task.batch_index)
     short = fetcher.last_size if spec.is_iterable else None  # the samples a short batch holds
-    if spec.ships_state or short is not None:
+    if state is not None and state[0] is None and state[1] is None:
+        state = None  # nothing Stateful here: the batch goes unwrapped, as without state
+    if (spec.ships_state and state is not None) or short is not None:
         return StatefulResult(payload, state, getattr(fetcher, "ended", False), short)
     return payload

@@ -83,6 +83,7 @@ class TransportOptions:
     shm_limit: int | str | None = None  # bytes all slots may use; see _space.py
     max_slots_per_worker: int = 64    # more held batches than this go torch's way
     idle_batches: int = 64            # a slot free for this many batches is given back
+    prefetch_factor: int | None = None  # the loader's: how many free slots a worker keeps warm
 
 
 def _option(options, name):
@@ -126,9 +127,10 @@ def create_channel(num_workers: int, mp_context=None, options=None):
     if budget < need:
         check = SpaceCheck(False, need, budget, source, _space.dev_shm_free())
         disabled = check.message(f"{num_workers} workers' slots (at least)")
+    warm = max(_slots.WARM_SLOTS, int(_option(options, "prefetch_factor") or 0))
     return ShmChannel(num_workers, budget, source,
                       int(_option(options, "max_slots_per_worker")),
-                      int(_option(options, "idle_batches")), disabled)
+                      int(_option(options, "idle_batches")), disabled, warm)
 
 
 def fd_exhaustion_error(exc: BaseException):

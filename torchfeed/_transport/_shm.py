@@ -112,8 +112,10 @@ class ShmChannel:
     kind = "shm"
 
     def __init__(self, num_workers: int, budget: int, budget_source: str,
-                 max_slots: int, idle_batches: int, disabled_warning=None):
+                 max_slots: int, idle_batches: int, disabled_warning=None,
+                 warm_slots: int = _slots.WARM_SLOTS):
         self.num_workers = num_workers
+        self.warm_slots = warm_slots
         self.budget = budget
         self.budget_source = budget_source
         self.max_slots = max_slots
@@ -241,6 +243,16 @@ class Packer:
 
     def pack(self, batch):
         """The message that carries ``batch`` to the main process."""
+        reserved = self._collate.slot
+        try:
+            return self._pack(batch)
+        finally:
+            if reserved is not None and self.pool is not None:
+                states = self.pool.states
+                if states[reserved.idx] == _slots.FILLING:  # not the slot that was sent
+                    states[reserved.idx] = _slots.FREE
+
+    def _pack(self, batch):
         c = self._collate
         reserved, c.slot = c.slot, None
         direct, c.direct = c.direct, {}
@@ -328,6 +340,7 @@ class Unpacker:
         self.closed = False
         self.in_use = 0
         self.in_use_bytes = 0
+        self.warm = channel.warm_slots  # 1 while idle, after trim()
         self.unpacked = 0
         self.fallbacks = 0
 
@@ -339,20 +352,48 @@ class Unpacker:
                                    "arena arrived after the arena was renewed (a bug; please "
                                    "report it)")
             entry = _slots.MainSlot(self._fds[w], uid, off, cap,
-                                    self._release_fn(self._ctrl[w].states, idx, cap))
+                                    self._release_fn(w, self._ctrl[w].states, idx, cap))
             self._cache[w][idx] = entry
         return entry
 
-    def _release_fn(self, states, idx, cap):
+    def _release_fn(self, w, states, idx, cap):
         me = weakref.ref(self)
+        FREE = _slots.FREE
 
         def release(_ref):
             self_ = me()
             if self_ is not None:
                 self_.in_use -= 1
                 self_.in_use_bytes -= cap
-            states[idx] = _slots.FREE
+                cache = self_._cache[w] if not self_.closed else {}
+                warm, free = self_.warm, 0
+                # A snapshot: the pin thread may add a slot to the cache meanwhile.
+                for j in tuple(cache):
+                    if j != idx and states[j] == FREE:
+                        free += 1
+                        if free >= warm:
+                            # The worker has warm slots enough: give this
+                            # one's memory back now, rather than keep it for a
+                            # batch that may not come (see _slots.py).
+                            entry = cache.get(idx)
+                            if entry is not None and _punch(entry, states, idx):
+                                return
+                            break
+            states[idx] = FREE
         return release
+
+    def trim(self) -> None:
+        """Give back the memory of every free slot but one per worker (the
+        smallest: a slot grown for a rare huge batch goes). Call only while no
+        worker builds a batch: between epochs."""
+        if self.closed:
+            return
+        self.warm = 1  # and batches released while idle keep it so
+        for w, cache in enumerate(self._cache):
+            states = self._ctrl[w].states
+            free = sorted((e.cap, idx) for idx, e in cache.items() if states[idx] == _slots.FREE)
+            for _, idx in free[1:]:
+                _punch(cache[idx], states, idx)
 
     def unpack(self, payload):
         """The batch carried by ``payload``: zero-copy views of its slot."""
@@ -367,6 +408,7 @@ class Unpacker:
                                "batch in it was still alive (a bug; please report it)")
         owner = entry.base.view(_layout.SlotOwner)
         entry.ref = weakref.ref(owner, entry.release)
+        self.warm = self._channel.warm_slots
         self.in_use += 1
         self.in_use_bytes += entry.cap
         self.unpacked += 1
@@ -455,6 +497,16 @@ class Unpacker:
                                                                  entry.cap))
                 del owner
         _slots.punch(fd, keep)
+
+
+def _punch(entry, states, idx) -> bool:
+    """Give a free slot's memory back and tell its worker; False if it could not."""
+    try:
+        entry.map.remove()
+    except OSError:
+        return False
+    states[idx] = _slots.PUNCHED
+    return True
 
 
 def _punch_on_release(shared_map, key, unpacker=None, cap=0):

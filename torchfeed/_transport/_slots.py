@@ -18,7 +18,14 @@ A slot is a region of the arena plus an index into the control block. Its
 state byte is ``FREE`` (the worker may write it) or ``IN_FLIGHT`` (a batch in
 it belongs to the main process). The worker flips FREE to IN_FLIGHT before it
 sends a batch; the main process flips it back when the last view of that batch
-dies. Ownership alternates, so one byte with no lock is enough.
+dies. Ownership alternates, so one byte with no lock is enough. A slot the
+worker has taken for the batch it is building is ``FILLING``, and one it gave
+back is ``RETIRED``: to the main process, neither is free. When the worker
+already has ``WARM_SLOTS`` free slots, the main process gives the memory of
+the slot it releases back to the system first and marks it ``PUNCHED``; the
+worker then forgets it. At the end of an epoch the main process does the same
+for every free slot but one per worker (``Unpacker.trim``), so an idle
+persistent loader holds one slot per worker.
 
 Every region is allocated with ``posix_fallocate`` before it is mapped, so a
 shortage is an ``OSError`` (ENOSPC/ENOMEM), never a SIGBUS on first touch.
@@ -46,7 +53,16 @@ STATES_AT = 64
 MAX_SLOTS = CTRL_BYTES - STATES_AT
 REGION_ALIGN = 1 << 16
 FIRST_REGION = REGION_ALIGN
-FREE, IN_FLIGHT = 0, 1
+FREE, IN_FLIGHT, PUNCHED, FILLING, RETIRED = 0, 1, 2, 3, 4
+# Free slots a worker keeps warm when the main process releases another: more
+# would hold memory for batches that may not come, fewer makes a worker with
+# prefetch_factor=2 allocate anew every few batches.
+WARM_SLOTS = 2
+
+# A free slot at least this much and 4x bigger than the batches it now carries
+# is given back after SHRINK_AFTER such batches, and a right-sized one made.
+SHRINK_MIN = 4 << 20
+SHRINK_AFTER = 4
 
 # A replacement worker (``max_worker_restarts``) gets a fresh arena; the uids of
 # its slots carry the arena's generation in their high bits.
@@ -164,12 +180,13 @@ def _round_up(n: int, to: int) -> int:
 class WorkerSlot:
     """A slot as the worker sees it: its region mapped read-write."""
 
-    __slots__ = ("idx", "uid", "off", "cap", "arr", "u8", "last_used", "_typed")
+    __slots__ = ("idx", "uid", "off", "cap", "arr", "u8", "last_used", "oversized", "_typed")
 
     def __init__(self, idx, uid, off, cap, arr):
         self.idx, self.uid, self.off, self.cap, self.arr = idx, uid, off, cap, arr
         self.u8 = torch.from_numpy(arr)
         self.last_used = 0
+        self.oversized = 0  # batches in a row far smaller than the slot
         self._typed = {}
 
     def typed(self, dtype):
@@ -214,12 +231,29 @@ class WorkerPool:
         states = self.states
         best = None
         free = []
+        punched = []
         for s in self.slots.values():
-            if s is not exclude and states[s.idx] == FREE:
+            state = states[s.idx]
+            # FILLING: taken for a batch that was never sent (its collate
+            # raised, say); this worker builds one batch at a time.
+            if s is not exclude and (state == FREE or state == FILLING):
                 free.append(s)
                 if s.cap >= nbytes and (best is None or s.last_used > best.last_used):
                     best = s
+            elif state == PUNCHED:  # the main process gave its memory back
+                punched.append(s)
+        for s in punched:
+            self.retire(s)
         self.tick += 1
+        if best is not None and best.cap - nbytes >= SHRINK_MIN and best.cap > 4 * nbytes:
+            # Grown for a batch far bigger than the ones it carries now.
+            best.oversized += 1
+            if best.oversized >= SHRINK_AFTER:
+                free.remove(best)
+                self.retire(best)
+                best = None
+        elif best is not None:
+            best.oversized = 0
         if best is None:
             for s in free:
                 if s.cap < nbytes:
@@ -232,6 +266,7 @@ class WorkerPool:
                 if s is not best and self.tick - s.last_used > self.idle_batches:
                     self.retire(s)
         best.last_used = self.tick
+        states[best.idx] = FILLING
         return best, None
 
     def _create(self, nbytes: int):
@@ -262,6 +297,7 @@ class WorkerPool:
     def retire(self, slot: WorkerSlot) -> None:
         """Give a free slot's memory back to the system."""
         del self.slots[slot.idx]
+        self.states[slot.idx] = RETIRED
         punch_hole(self.fd, slot.off, slot.cap)
         slot.u8 = slot.arr = slot._typed = None  # unmapped once no view is left
         self.free_idx.append(slot.idx)
