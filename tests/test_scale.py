@@ -329,18 +329,20 @@ def test_resume_of_a_huge_shuffle_is_exact(num_workers, small_chunks):
 
 # -- copy-on-read -------------------------------------------------------------------------
 class Records(torch.utils.data.Dataset):
-    """Reads every record the parent built, as a dataset that scans its index would."""
+    """Sample i reads its share of the records the parent built."""
 
     def __init__(self, records):
         self.records = records
 
     def __len__(self):
-        return 3
+        return 8
 
     def __getitem__(self, i):
-        if isinstance(self.records, np.ndarray):
-            return int(self.records.sum())
-        return sum(r["id"] for r in self.records)
+        share = len(self.records) // 8
+        part = self.records[i * share:(i + 1) * share]
+        if isinstance(part, np.ndarray):
+            return int(part.sum())
+        return sum(r["id"] for r in part)
 
 
 @pytest.mark.timeout(90)
@@ -351,13 +353,13 @@ def test_worker_memory_growth_from_python_objects_is_reported_and_warned_once(
     monkeypatch.setattr(costs, "USS_GROWTH_WARN", 16 * 2**20)
     monkeypatch.setattr(costs, "MEMORY_CHECK_EVERY", 0.0)  # check at every batch
     monkeypatch.setattr(costs, "_warned", False)
-    records = _parent_heap(200_000)  # ~60 MiB of dicts and lists
+    records = _parent_heap(400_000)  # ~120 MiB of dicts and lists
     loader = torchfeed.DataLoader(Records(records), batch_size=None, num_workers=1,
                                   multiprocessing_context="fork")
     with caplog.at_level(logging.WARNING, logger="torchfeed"):
         it = iter(loader)
-        next(it)
-        next(it)
+        for _ in range(6):
+            next(it)
         s = loader.stats()
         list(it)
         list(loader)  # a second epoch, new workers: still one warning

@@ -56,7 +56,8 @@ class IteratorStats:
     __slots__ = ("_iterator", "num_workers", "transport", "log_every", "limit",
                  "start", "end", "wait", "yielded", "next_log", "worker_batches",
                  "worker_busy", "epoch", "_pin_base", "_live", "_window", "persistent",
-                 "_begun", "_start_mono", "_starts", "_next_memory_check", "__weakref__")
+                 "_begun", "_start_mono", "_starts", "_uss_start", "_next_memory_check",
+                 "__weakref__")
 
     def __init__(self, iterator, loader, epoch: int) -> None:
         self._iterator = weakref.ref(iterator, self._iterator_gone)
@@ -85,8 +86,11 @@ class IteratorStats:
         self.worker_busy[worker_id] += seconds
 
     def on_started(self, worker_id: int, launched: float, ready: float, uss: int) -> None:
-        """A worker's first message: launched and ready (``monotonic()``), and its USS then."""
-        self._starts[worker_id] = (launched, ready, uss or None)
+        """A worker's first two messages: when it was launched and ready
+        (``monotonic()``); its USS after its first batch, in the second (0 in the first)."""
+        if launched >= self._begun:  # a persistent worker's start belongs to its first epoch
+            self._starts[worker_id] = (launched, ready)
+        self._uss_start[worker_id] = uss or None  # a new process: a new baseline
 
     def finish(self, t0: float) -> None:
         """The epoch ended: stop the clock (once), keep the last live values."""
@@ -122,8 +126,9 @@ class IteratorStats:
         # Workers launched from now on started in this epoch; a persistent
         # worker's start belongs to the epoch that launched it.
         self._begun = monotonic()
-        self._starts = {k: v for k, v in getattr(self, "_starts", {}).items()
-                        if v[0] >= self._begun}
+        self._starts = {}
+        if getattr(self, "_uss_start", None) is None:
+            self._uss_start = {}  # kept across a persistent iterator's epochs
         self.start_clock()
 
     def start_clock(self) -> None:
@@ -184,10 +189,10 @@ class IteratorStats:
                 pass
 
     def _growth(self, worker_id: int, uss):
-        start = self._starts.get(worker_id)
-        if uss is None or start is None or start[2] is None:
+        start = self._uss_start.get(worker_id)
+        if uss is None or start is None:
             return None
-        return uss - start[2]
+        return uss - start
 
     def _check_memory(self) -> None:
         if _worker_costs._warned:

@@ -10,10 +10,11 @@ copy and its iterator reported right after making it: ``_stateful.py``), a
 marker, and seconds is the time fetch + collate + pack + pickle took (for
 ``DataLoader.stats()``).  Small messages are written by the worker's main
 thread itself (``_result_writer.py``), larger ones by the queue's feeder thread.
-A worker's first message also carries ``(launched_at, ready_at, private bytes)``:
+A worker's first messages also carry ``(launched_at, ready_at, private bytes)``:
 when the main process started it and when it was ready for its first task
 (``time.monotonic()``, one clock for all processes), and its private memory
-(USS) then, for ``DataLoader.stats()``.
+(USS) just after its first batch, read by a thread and sent with the second
+message, for ``DataLoader.stats()``.
 
 Two rules keep the main process from ever hanging on a worker:
 
@@ -247,7 +248,14 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     results = ResultWriter(result_queue)
     index_fds = [index_queue._reader.fileno()]
     plain_tuples = packer.plain_tuples
-    started = (launched_at, time.monotonic(), _private_bytes())  # sent with the first message
+    # Sent with the first message, and with the USS with the second: reading
+    # it walks the page tables of everything inherited (tens to hundreds of
+    # ms under a big parent heap), so a thread does it once the first batch
+    # is on its way.
+    started = [launched_at, time.monotonic(), None]
+    reading = threading.Thread(target=_read_start_memory, args=(started,),
+                               name="torchfeed-uss", daemon=True)
+    start_reported = False
     try:
         while True:
             # Queue.get(timeout=...) builds and tears down a selector per call;
@@ -278,8 +286,16 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 if isinstance(payload, IterableExhausted):
                     exhausted = True
             message = _serialize(task.send_idx, payload, worker_id, task, plain_tuples)
-            results.put((*message, time.perf_counter() - start, *started))  # + busy time, for stats
-            started = ()
+            busy = time.perf_counter() - start  # fetch + collate + pack + pickle, for stats
+            if start_reported:
+                results.put((*message, busy))
+            elif reading.ident is None:  # the first message: read the USS after it
+                results.put((*message, busy, started[0], started[1], 0))
+                reading.start()
+            else:  # the second message waits for the reading (a CPU it would compete with)
+                reading.join()
+                results.put((*message, busy, *started))
+                start_reported = True
             del payload, task
     except BrokenPipeError:
         pass  # the main process is gone; the watchdog would end us in a moment
@@ -295,11 +311,11 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
         result_queue.join_thread()
 
 
-def _private_bytes() -> int:
+def _read_start_memory(started: list) -> None:
     try:
-        return psutil.Process().memory_full_info().uss
+        started[2] = psutil.Process().memory_full_info().uss
     except (psutil.Error, AttributeError, OSError):
-        return 0  # not readable here: stats show no figure
+        started[2] = 0  # not readable here: stats show no figure
 
 
 def _run_task(task: Task, fetcher, taker, spec: WorkerSpec, worker_id: int, epoch: int,
