@@ -25,8 +25,8 @@ import argparse
 import os
 import statistics
 import sys
-import warnings
 import time
+import warnings
 
 # Runnable from a checkout without installing torchfeed.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))

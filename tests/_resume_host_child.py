@@ -12,10 +12,9 @@ import sys
 
 import numpy as np
 import torch
+from _resume_helpers import BucketSampler, Ids, ids
 
 from torchfeed import DataLoader
-
-from _resume_helpers import BucketSampler, Ids, ids
 
 if __name__ == "__main__":
     results = []

@@ -9,9 +9,8 @@ case with ``"own": true`` does the same with the library's StreamingDataLoader.
 import json
 import sys
 
-import torch
-
 import streaming_data as sd
+import torch
 
 
 def main(lib, root, cases_path, out_path):

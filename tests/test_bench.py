@@ -15,8 +15,7 @@ import torch.utils.data
 
 from torchfeed._progress import Progress
 from torchfeed.bench.__main__ import main as bench_main
-from torchfeed.bench.compare import (BenchConfig, LoaderFigures, WorkloadResult,
-                                     loader_class, run_comparison)
+from torchfeed.bench.compare import BenchConfig, LoaderFigures, WorkloadResult, loader_class, run_comparison
 from torchfeed.bench.measure import Timing, time_loader
 from torchfeed.bench.report import format_table
 from torchfeed.bench.workloads import WORKLOADS, SmallDataset
@@ -150,9 +149,9 @@ def test_table_medians_ratios_and_errors():
     broken = WorkloadResult(WORKLOADS["image"], 10, {
         "torch": theirs, "torchfeed": LoaderFigures(error="TypeError: boom")})
     table = format_table([ok, broken])
-    small_row = next(l for l in table.splitlines() if l.startswith("small"))
+    small_row = next(line for line in table.splitlines() if line.startswith("small"))
     assert "2.00x" in small_row and "0.50x" in small_row and "0.25x" in small_row
-    image_row = next(l for l in table.splitlines() if l.startswith("image"))
+    image_row = next(line for line in table.splitlines() if line.startswith("image"))
     assert "error" in image_row and "x" not in image_row.replace("error", "")
     assert "num_workers=0" not in table  # no baseline measured, no such columns
 
@@ -162,7 +161,7 @@ def test_table_medians_ratios_and_errors():
     assert with_base.ratio("batches_per_s", "torchfeed", "torch@0") == pytest.approx(2.5)
     table = format_table([with_base])
     assert "vs num_workers=0, batches/s" in table.splitlines()[0]
-    row = next(l for l in table.splitlines() if l.startswith("small"))
+    row = next(line for line in table.splitlines() if line.startswith("small"))
     # torch@0's median 80, torch 100/80, torchfeed 200/80, after the four usual groups
     assert row.split("|")[-1].split() == ["80.0", "1.25x", "2.50x"]
 

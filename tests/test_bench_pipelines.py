@@ -18,8 +18,16 @@ from torchfeed.bench.__main__ import main as bench_main
 from torchfeed.bench.compare import BenchConfig, LoaderFigures, WorkloadResult, run_comparison
 from torchfeed.bench.loaders import PEERS, build_loader
 from torchfeed.bench.measure import Timing
-from torchfeed.bench.pipelines import (IGNORE_INDEX, PAD_ID, JpegFolderDataset, TokenDataset,
-                                       crop_box, hf_dataset, jpeg_folder, pad_collate)
+from torchfeed.bench.pipelines import (
+    IGNORE_INDEX,
+    PAD_ID,
+    JpegFolderDataset,
+    TokenDataset,
+    crop_box,
+    hf_dataset,
+    jpeg_folder,
+    pad_collate,
+)
 from torchfeed.bench.report import format_peer_table, format_report
 from torchfeed.bench.workloads import WORKLOADS
 

@@ -9,12 +9,11 @@ import warnings
 import pytest
 import torch
 import torch.utils.data
-from torch.utils.data import (BatchSampler, DistributedSampler, RandomSampler, SequentialSampler)
+from loader_helpers import assert_same, warning_messages
+from sample_datasets import EveryOtherSampler, LyingLengthIterable, RangeDataset, ShardedIterable, UnevenBatchSampler
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 import torchfeed
-from loader_helpers import assert_same, warning_messages
-from sample_datasets import (EveryOtherSampler, LyingLengthIterable, RangeDataset,
-                             ShardedIterable, UnevenBatchSampler)
 
 TorchLoader = torch.utils.data.DataLoader
 TORCHFEED_ONLY = {"transport", "seed_per_batch", "snapshot_every_n_steps", "log_every",

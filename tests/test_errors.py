@@ -14,14 +14,23 @@ import psutil
 import pytest
 import torch
 import torch.utils.data
+from loader_helpers import Snapshot, assert_same, live_children, warm_up
+from sample_datasets import (
+    BadIndexError,
+    DyingDataset,
+    FailingDataset,
+    FailingIterIterable,
+    LockDataset,
+    RangeDataset,
+    ShardedIterable,
+    SlowIndexDataset,
+    failing_collate,
+    failing_worker_init,
+)
 
 import torchfeed
 from torchfeed import _errors
 from torchfeed._worker import _explain_send_error
-from loader_helpers import Snapshot, assert_same, live_children, warm_up
-from sample_datasets import (BadIndexError, DyingDataset, FailingDataset, FailingIterIterable,
-                             LockDataset, RangeDataset, ShardedIterable, SlowIndexDataset,
-                             failing_collate, failing_worker_init)
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 

@@ -10,15 +10,28 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from loader_helpers import assert_same, canonical, torch_and_ours
+from sample_datasets import (
+    Custom,
+    CustomTypeDataset,
+    EveryOtherSampler,
+    GetItemsDataset,
+    LyingLengthIterable,
+    Point,
+    RangeDataset,
+    RichDataset,
+    ShardedIterable,
+    SlowIndexDataset,
+    UnevenBatchSampler,
+    UnevenIterable,
+    WorkerInfoProbe,
+    custom_type_collate,
+    list_collate,
+    sum_collate,
+)
 from torch.utils.data import BatchSampler, RandomSampler, Subset
 
 import torchfeed
-from loader_helpers import assert_same, canonical, torch_and_ours
-from sample_datasets import (Custom, CustomTypeDataset, EveryOtherSampler, GetItemsDataset,
-                             LyingLengthIterable, Point, RangeDataset, RichDataset,
-                             ShardedIterable, SlowIndexDataset, UnevenBatchSampler,
-                             UnevenIterable, WorkerInfoProbe, custom_type_collate, list_collate,
-                             sum_collate)
 
 WORKERS = [0, 1, 3]  # the three torch-parity settings the issue names
 FEW = [0, 2]         # enough for behaviour that does not depend on the count

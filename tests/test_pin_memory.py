@@ -6,21 +6,30 @@ passing batches through unpinned."""
 from __future__ import annotations
 
 import collections
-import threading
 import re
+import threading
 import time
 import traceback
 
 import pytest
 import torch
 import torch.utils.data
+from loader_helpers import Snapshot, assert_same, warm_up
+from sample_datasets import (
+    BadIndexError,
+    DyingDataset,
+    FailingDataset,
+    PinnableBatch,
+    Point,
+    RangeDataset,
+    ShardedIterable,
+    SlowIndexDataset,
+    pinnable_collate,
+)
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 import torchfeed
 from torchfeed._pin_memory import PASS_THROUGH_ENV, pin_memory
-from loader_helpers import Snapshot, assert_same, warm_up
-from sample_datasets import (BadIndexError, DyingDataset, FailingDataset, PinnableBatch, Point,
-                             RangeDataset, ShardedIterable, SlowIndexDataset, pinnable_collate)
 
 HAS_ACCELERATOR = torch.accelerator.is_available()
 NO_ACCELERATOR = "pinning tensors needs an accelerator (CUDA); this machine has none"

@@ -9,13 +9,20 @@ import time
 
 import pytest
 import torch
-from torch.utils.data import (BatchSampler, RandomSampler, SequentialSampler, SubsetRandomSampler,
-                              WeightedRandomSampler)
+from _resume_helpers import (
+    SEED,
+    Augmented,
+    EagerGlobalSampler,
+    EpochSampler,
+    Ids,
+    PositionSampler,
+    SlowFirst,
+    check_resume,
+    ids,
+)
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler
 
 from torchfeed import DataLoader
-
-from _resume_helpers import (SEED, Augmented, EagerGlobalSampler, EpochSampler, Ids,
-                             PositionSampler, SlowFirst, check_resume, ids)
 
 N, BS = 11, 3          # 4 batches an epoch, the last one short
 L = -(-N // BS)
@@ -75,7 +82,9 @@ def test_batch_sampler_resumes_exactly():
 
 
 def test_no_automatic_batching_resumes_exactly():
-    make = lambda: DataLoader(Ids(N), batch_size=None, shuffle=True, generator=gen())
+    def make():
+        return DataLoader(Ids(N), batch_size=None, shuffle=True, generator=gen())
+
     for k in (0, 5, N, N + 4):
         check_resume(make, k, epochs=2)
 
@@ -85,7 +94,9 @@ def test_position_sampler_is_loaded_not_fast_forwarded():
     def make():
         return DataLoader(Ids(N), batch_size=BS, sampler=PositionSampler(N, seed=5))
 
-    set_epoch = lambda loader, e: loader.sampler.set_epoch(e)
+    def set_epoch(loader, e):
+        loader.sampler.set_epoch(e)
+
     for k in ks(L):
         state = check_resume(make, k, epochs=3, before_epoch=set_epoch)
         assert state["sampler_state"]["protocol"] == "position"
@@ -102,7 +113,9 @@ def test_torchfeed_distributed_sampler_if_present():
         return DataLoader(ds, batch_size=BS,
                           sampler=dist.DistributedSampler(ds, num_replicas=1, rank=0, seed=3))
 
-    set_epoch = lambda loader, e: loader.sampler.set_epoch(e)
+    def set_epoch(loader, e):
+        loader.sampler.set_epoch(e)
+
     for k in ks(L):
         check_resume(make, k, epochs=2, before_epoch=set_epoch)
 
@@ -308,8 +321,10 @@ def test_seed_per_batch_augmentations_same_for_any_num_workers_and_after_resume(
     # resume (also elastic): the augmentations after resume are the uninterrupted ones
     check_resume(make(2), 3, epochs=2, make_resumed=make(0))
     check_resume(make(0), 5, epochs=2, make_resumed=make(2))
-    persistent = lambda: DataLoader(Augmented(8), batch_size=2, shuffle=True, generator=gen(),
-                                    num_workers=2, persistent_workers=True, seed_per_batch=True)
+    def persistent():
+        return DataLoader(Augmented(8), batch_size=2, shuffle=True, generator=gen(),
+                          num_workers=2, persistent_workers=True, seed_per_batch=True)
+
     check_resume(persistent, 5, epochs=2)
 
 

@@ -8,13 +8,12 @@ import json
 
 import pytest
 import torch
+from _resume_helpers import Ids, close, ids
 from torch.utils.data import BatchSampler, IterableDataset, get_worker_info
 from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
 import torchfeed
 from torchfeed import DataLoader
-
-from _resume_helpers import Ids, close, ids
 
 N, BS = 40, 2  # 20 batches an epoch
 BAD = 6        # sample 6 raises: batch 3 of an unshuffled epoch

@@ -15,11 +15,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _resume_helpers import BucketSampler, Ids, ids
 from torch.utils.data import Sampler
 
 from torchfeed import DataLoader
-
-from _resume_helpers import BucketSampler, Ids, ids
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N, BS = 23, 4  # 6 batches an epoch

@@ -6,10 +6,9 @@ import json
 import warnings
 
 import pytest
+from _resume_helpers import StatefulStream, Stream, check_resume, close, ids
 
 from torchfeed import DataLoader
-
-from _resume_helpers import Stream, StatefulStream, check_resume, close, ids
 
 
 def make(cls=StatefulStream, n=13, num_workers=0, **kwargs):

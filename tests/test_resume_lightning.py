@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _resume_helpers import Ids, ids
 
 from torchfeed import DataLoader
-
-from _resume_helpers import Ids, ids
 
 lightning = pytest.importorskip("lightning")  # the test extra installs it; see setup.cfg
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from _resume_helpers import Ids, close, ids
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
 from torchfeed import DataLoader
-
-from _resume_helpers import Ids, close, ids
 
 N, BS, WORLD = 23, 2, 2  # 12 indices a rank (padded), 6 batches
 

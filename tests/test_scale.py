@@ -15,10 +15,10 @@ import tracemalloc
 import numpy as np
 import psutil
 import pytest
+import scale_datasets
 import torch
 import torch.utils.data
 
-import scale_datasets
 import torchfeed
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")

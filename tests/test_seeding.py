@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data
+from loader_helpers import assert_same, torch_and_ours
+from sample_datasets import RandomAugment, RangeDataset, SeedProbe, ShardedIterable
 from torch.utils.data._utils.worker import _generate_state
 
 import torchfeed
-from loader_helpers import assert_same, torch_and_ours
-from sample_datasets import RandomAugment, RangeDataset, SeedProbe, ShardedIterable
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
@@ -44,7 +44,7 @@ def test_worker_seeds_are_base_seed_plus_id(num_workers):
 
 @pytest.mark.timeout(60)
 def test_numpy_differs_across_workers():
-    loader = torchfeed.DataLoader(SeedProbe(4), batch_size=None, num_workers=2, 
+    loader = torchfeed.DataLoader(SeedProbe(4), batch_size=None, num_workers=2,
                                   generator=torch.Generator().manual_seed(1))
     firsts = {s["id"]: s["first"][2].item() for s in loader}
     assert firsts[0] != firsts[1]

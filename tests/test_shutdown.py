@@ -12,10 +12,10 @@ import time
 
 import psutil
 import pytest
-
-import torchfeed
 from loader_helpers import Snapshot, live_children, warm_up
 from sample_datasets import RangeDataset, SleepDataset, UnevenIterable
+
+import torchfeed
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 BOUND = 3.0  # seconds: SHUTDOWN_GRACE is 1 s, and the machine may be busy

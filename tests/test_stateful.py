@@ -8,11 +8,10 @@ import warnings
 
 import pytest
 import torch
-
-from torchfeed import DataLoader
-
 from _resume_helpers import Ids, check_resume, close, ids
 from stateful_datasets import ArgsState, Counting, RaisingState, SelfIterating
+
+from torchfeed import DataLoader
 
 # The case uses 3 workers; this machine has 2 cores, and torch says so.
 THREE_WORKERS = pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker")

@@ -5,9 +5,9 @@ per batch, so the data-stall fraction has an expected value.  Sleeps cost no
 CPU, so the expectations hold on a loaded machine; tolerances allow for
 worker start-up and sleep overshoot.
 """
+import copy
 import json
 import logging
-import copy
 import os
 import pickle
 import re

@@ -10,10 +10,10 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from loader_helpers import assert_same
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
 import torchfeed
-from loader_helpers import assert_same
 from torchfeed._transport import SampleStream, create_channel
 from torchfeed._transport._stream import STREAM_MIN_BATCH_BYTES, STREAM_MIN_BYTES
 

@@ -14,9 +14,9 @@ import sys
 import warnings
 
 import pytest
+import streaming_data as sd
 import torch
 
-import streaming_data as sd
 from torchfeed import DataLoader
 
 HERE = os.path.dirname(os.path.abspath(__file__))

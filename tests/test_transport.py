@@ -14,13 +14,19 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import pytest
 import torch
+import transport_helpers as h
 from torch.utils.data import default_collate
 
-import transport_helpers as h
 from torchfeed import _transport
-from torchfeed._transport import (ShmFallbackWarning, TorchChannel, check_space,
-                                  create_channel, resolve_transport)
-from torchfeed._transport import _slots, _space
+from torchfeed._transport import (
+    ShmFallbackWarning,
+    TorchChannel,
+    _slots,
+    _space,
+    check_space,
+    create_channel,
+    resolve_transport,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

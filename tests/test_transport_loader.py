@@ -13,10 +13,10 @@ import numpy as np
 import psutil
 import pytest
 import torch
+import transport_helpers as h
 from torch.utils.data import Dataset, IterableDataset
 
 import torchfeed
-import transport_helpers as h
 from torchfeed import _transport
 
 Pair = collections.namedtuple("Pair", "image label")

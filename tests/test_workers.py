@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 import torch.utils.data
-
-import torchfeed
 from loader_helpers import assert_same, torch_and_ours
 from sample_datasets import RangeDataset, ShardedIterable, WorkerInfoProbe
+
+import torchfeed
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 

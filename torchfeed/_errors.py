@@ -212,6 +212,7 @@ def nested_worker_error(num_workers: int) -> AssertionError | None:
     AssertionError, "daemonic processes are not allowed to have children";
     keep it, and say what to do instead."""
     import multiprocessing
+
     from torch.utils.data import get_worker_info
 
     if num_workers == 0 or not multiprocessing.current_process().daemon:

@@ -33,11 +33,10 @@ from torch.utils.data import IterableDataset
 
 from ._chunked_sampler import iterate
 from ._datapipes import SharedSeed, is_iter_datapipe
-from ._rng import draw_base_seed, drawing_from, encode_host_rngs, encode_rng, replaying
 from ._replay import Replay
+from ._rng import draw_base_seed, drawing_from, encode_host_rngs, encode_rng, replaying
+from ._sampler_state import epoch_state, may_draw_host_rngs, private_rngs, sampler_generators, stateful_sampler
 from ._stateful import has_worker_state, is_stateful
-from ._sampler_state import (epoch_state, may_draw_host_rngs, private_rngs, sampler_generators,
-                             stateful_sampler)
 
 WATCH_BATCHES = 32  # batches of an epoch checked for global-RNG draws by the sampler
 

@@ -41,10 +41,10 @@ from ._errors import WorkerFailure, describe_dead_worker, describe_samples
 from ._iterator_base import BaseIterator
 from ._pin_memory import PinMemoryThread, pass_through_requested
 from ._processes import close_queue, launch_worker, stop_workers
-from ._state import StatefulUnpacker
 from ._receive import ResultReceiver
 from ._restart import RestartBudget, WorkerDied, handle_worker_death
 from ._stack_dump import collect_dumps, describe_timeout
+from ._state import StatefulUnpacker
 from ._transport import create_channel
 from ._worker import IterableExhausted, ResumeIteration, Task, WorkerSpec
 

@@ -12,8 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-from torch.utils.data import (BatchSampler, RandomSampler, SequentialSampler,
-                              SubsetRandomSampler, WeightedRandomSampler)
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
 

@@ -102,11 +102,11 @@ import torch
 from torch.utils.data import IterableDataset
 
 from ._index_stream import IndexStream, StatefulResult
-from ._sampler_state import describe_sampler
 from ._rng import encode_host_rngs, encode_rng
+from ._sampler_state import describe_sampler
+from ._state_validation import KIND, VERSION, check_finished, check_position, validate
 from ._stateful import check, has_worker_state, warn_stateless
 from ._streaming_adapters import adapter_for
-from ._state_validation import KIND, VERSION, check_finished, check_position, validate
 from .distributed import rank_and_world_size
 
 

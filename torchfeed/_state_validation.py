@@ -14,8 +14,8 @@ from collections.abc import Mapping
 import torch
 
 from ._index_stream import IndexStream
-from ._sampler_state import ORDER_SETTINGS
 from ._rng import check_host_rngs
+from ._sampler_state import ORDER_SETTINGS
 from .distributed import check_iterable_world_size
 
 VERSION = 1

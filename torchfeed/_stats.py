@@ -232,7 +232,8 @@ class IteratorStats:
         in_flight, ready = live["queues"]
         running = it is not None and self.end is None and not getattr(it, "_shutdown", False)
         return LoaderStats(
-            state="running" if running else "finished", epoch=self.epoch, num_workers=self.num_workers, transport=self.transport,
+            state="running" if running else "finished", epoch=self.epoch, num_workers=self.num_workers,
+            transport=self.transport,
             batches_yielded=self.yielded, wall_seconds=wall, wait_seconds=self.wait,
             stall_fraction=min(1.0, self.wait / wall), workers=workers,
             queues={"in_flight": in_flight, "ready": ready, "limit": self.limit},

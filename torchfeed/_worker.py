@@ -51,8 +51,8 @@ from ._fetch import create_fetcher
 from ._index_stream import StatefulResult
 from ._pickling import describe_unpicklable, find_unpicklable
 from ._pipe_reader import wait_ready
-from ._stateful import StateTaker, take_state
 from ._result_writer import ResultWriter
+from ._stateful import StateTaker, take_state
 from ._transport import Plain
 
 POLL_INTERVAL = 0.25  # seconds between checks that the main process is alive

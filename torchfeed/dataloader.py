@@ -19,12 +19,10 @@ import torch.utils.data
 from . import _state
 from ._errors import nested_worker_error
 from ._multiprocess import MultiProcessIterator
-from ._options import (resolve_log_every, resolve_transport, validate_max_worker_restarts,
-                       validate_options)
+from ._options import resolve_log_every, resolve_transport, validate_max_worker_restarts, validate_options
 from ._single_process import SingleProcessIterator
 from ._stats import LoaderStats, empty_stats
 from .frameworks import frameworks_warning, loaded
-
 
 T_co = TypeVar("T_co", covariant=True)
 

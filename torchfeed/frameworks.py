@@ -41,7 +41,8 @@ SUPPORTED = ("pass the loader through torchfeed.prepare(framework_prepare, loade
              "\"Hugging Face Accelerate and Trainer\" and \"Ray Train\"")
 
 # dataset, sampler, batch_sampler, batch_size and drop_last decide which indices a
-# rank gets: always the framework's (``_rebuild``).  Ray may wrap these for reproducibility (``enable_reproducibility``): the framework's.
+# rank gets: always the framework's (``_rebuild``).  Ray may wrap these for
+# reproducibility (``enable_reproducibility``): the framework's.
 _FROM_FRAMEWORK = ("worker_init_fn", "generator")
 # The rest of torch's arguments, and torchfeed's: the user's loader's.
 _FROM_USER = ("num_workers", "collate_fn", "pin_memory", "timeout", "multiprocessing_context",

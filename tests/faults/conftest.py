@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import psutil
 import pytest
 import torch
+from faults_helpers import ALL_CONFIGS, SHM_DIR, shm_entries
 
 import torchfeed
-from faults_helpers import ALL_CONFIGS, SHM_DIR, shm_entries
 
 GRACE = 3.0  # seconds a leak may take to clear after the test body returns
 

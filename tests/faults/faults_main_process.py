@@ -19,6 +19,7 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from faults_datasets import make_dataset  # noqa: E402
+
 from torchfeed import DataLoader  # noqa: E402
 
 

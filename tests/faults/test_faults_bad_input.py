@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
+from faults_helpers import SURFACE_WITHIN, iterate_until_failure
 from torch.utils.data import Dataset, IterableDataset
 
-from faults_helpers import SURFACE_WITHIN, iterate_until_failure
 from torchfeed import DataLoader, _errors
 
 

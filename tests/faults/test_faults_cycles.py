@@ -9,17 +9,15 @@
   keep it to about 10 s on 2 cores, so it runs with the rest of the suite.
 """
 import gc
-import os
 import threading
 import time
 import warnings
 
 import psutil
 import pytest
-import torch
-
 from faults_datasets import make_dataset
 from faults_helpers import ALL_CONFIGS, shm_entries
+
 from torchfeed import DataLoader
 
 WARM_UP = 30

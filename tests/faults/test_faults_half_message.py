@@ -9,9 +9,9 @@ mid-write.
 import time
 
 import pytest
-
 from faults_datasets import BigSamples, collate_list, read_marker
 from faults_helpers import SURFACE_WITHIN, Failure
+
 from torchfeed import DataLoader
 
 

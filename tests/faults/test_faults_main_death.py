@@ -22,12 +22,10 @@ import subprocess
 import sys
 import time
 
+import faults_main_process
 import psutil
 import pytest
-
-import faults_main_process
-from faults_helpers import shm_entries
-from faults_helpers import SURFACE_WITHIN
+from faults_helpers import SURFACE_WITHIN, shm_entries
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults_main_process.py")
 

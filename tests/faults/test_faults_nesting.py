@@ -3,16 +3,17 @@
 Workers are daemonic processes, and a daemonic process cannot have children:
 torch fails with multiprocessing's AssertionError, "daemonic processes are not
 allowed to have children".  torchfeed fails at ``iter()`` of the inner loader
-with the same type and sentence, then says what to do (``num_workers=0`` for the inner loader), and that inner loader works.
+with the same type and sentence, then says what to do (``num_workers=0`` for the
+inner loader), and that inner loader works.
 """
 import time
 
 import pytest
 import torch
-from torch.utils.data import Dataset
-
 from faults_datasets import make_dataset
 from faults_helpers import SURFACE_WITHIN, iterate_until_failure
+from torch.utils.data import Dataset
+
 from torchfeed import DataLoader
 
 
@@ -36,7 +37,8 @@ def test_two_loaders_iterate_at_once(loader_config, no_pin_warning):
         got_a.extend(x.clone() for x in it_a)
         del it_a, it_b
         # Iterable datasets come back worker by worker; compare as sets of rows.
-        key = (lambda bs: sorted(map(tuple, torch.cat(bs).tolist())))
+        def key(bs):
+            return sorted(map(tuple, torch.cat(bs).tolist()))
         assert key(got_a) == key(expected_a)
         assert key(got_b) == key(expected_b)
         if loader_config.kind == "map":

@@ -7,8 +7,8 @@ whole, and the dead iterator's pipes and shared memory are gone with it.
 import gc
 
 import pytest
-
 from faults_datasets import make_dataset, read_marker
+
 from torchfeed import DataLoader
 
 

@@ -9,10 +9,9 @@ import warnings
 
 import pytest
 import torch
-
-from faults_helpers import MAP_CONFIGS
 from faults_datasets import FaultyMap, make_dataset, sample
-from faults_helpers import iterate_until_failure
+from faults_helpers import MAP_CONFIGS, iterate_until_failure
+
 from torchfeed import DataLoader
 
 

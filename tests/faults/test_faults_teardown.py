@@ -14,9 +14,9 @@ import time
 import psutil
 import pytest
 import torch
-
 from faults_datasets import make_dataset
 from faults_helpers import ALL_CONFIGS
+
 from torchfeed import DataLoader
 
 SHUTDOWN_WITHIN = 2.5  # one shared second of grace, then terminate, with margin

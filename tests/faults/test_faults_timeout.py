@@ -7,9 +7,9 @@ and shows that worker's Python stack, so the user sees where it hung.
 import time
 
 import pytest
-
 from faults_datasets import make_dataset, read_marker
 from faults_helpers import ALL_CONFIGS, epochs_for, iterate_until_failure
+
 from torchfeed import DataLoader
 
 TIMEOUT = 2
@@ -30,7 +30,7 @@ def test_stuck_worker_timeout_shows_its_stack(loader_config, tmp_path, no_pin_wa
     assert failure.type is RuntimeError, failure
     msg = failure.message
     assert msg.startswith(f"DataLoader timed out after {TIMEOUT} seconds"), msg
-    assert f"batch 5 (" in msg and f"from worker {worker_id} (pid {pid})" in msg, msg
+    assert "batch 5 (" in msg and f"from worker {worker_id} (pid {pid})" in msg, msg
     if loader_config.kind == "map":
         assert "sample indices [20, 21, 22, 23]" in msg, msg
     # The stack: where the worker sleeps, and how it got there.

@@ -9,9 +9,9 @@ death; it must surface within 5 s of the death, and leave nothing behind.
 import re
 
 import pytest
-
 from faults_datasets import make_dataset, read_marker
 from faults_helpers import SURFACE_WITHIN, epochs_for, iterate_until_failure
+
 from torchfeed import DataLoader
 
 CASES = {

@@ -7,10 +7,18 @@ TypeError naming the offending leaf's path and type, and never hangs.
 import time
 
 import pytest
-
-from faults_datasets import (DatasetBoom, FailingCollate, FailingInit, UnpicklableMeta,
-                             UnpicklableMetaIterable, collate_meta, make_dataset, read_marker)
+from faults_datasets import (
+    DatasetBoom,
+    FailingCollate,
+    FailingInit,
+    UnpicklableMeta,
+    UnpicklableMetaIterable,
+    collate_meta,
+    make_dataset,
+    read_marker,
+)
 from faults_helpers import ALL_CONFIGS, SURFACE_WITHIN, epochs_for, iterate_until_failure
+
 from torchfeed import DataLoader
 
 SOURCES = ["__getitem__", "__iter__", "collate_fn", "worker_init_fn"]

@@ -18,8 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from .._progress import Progress
-from .loaders import (BASELINE, LOADERS, PEERS, TORCH, TORCHFEED, build_loader,
-                      loader_class, peer_note)
+from .loaders import BASELINE, LOADERS, PEERS, TORCH, TORCHFEED, build_loader, loader_class, peer_note
 from .measure import Timing, time_loader
 from .workloads import WORKLOADS, Workload
 

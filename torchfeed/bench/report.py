@@ -14,8 +14,7 @@ from typing import Any, Sequence
 import numpy
 import torch
 
-from .compare import (BASELINE, METRICS, PEERS, TORCH, TORCHFEED, BenchConfig,
-                      WorkloadResult)
+from .compare import BASELINE, METRICS, PEERS, TORCH, TORCHFEED, BenchConfig, WorkloadResult
 from .measure import cpu_count
 
 _MIB = 1 << 20

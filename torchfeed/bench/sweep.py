@@ -65,7 +65,7 @@ def run_sweep(workloads: Sequence[str], loaders: Sequence[str] = LOADERS,
             raise ValueError(f"unknown loader {name!r}; choose from {', '.join(LOADERS)}")
     # The baseline column needs torch in-process even when not asked for.
     baseline = [] if (TORCH in loaders and 0 in num_workers) else [(TORCH, 0)]
-    cells = baseline + [(l, n) for n in num_workers for l in loaders]
+    cells = baseline + [(loader, n) for n in num_workers for loader in loaders]
     rows: list[SweepRow] = []
     loaders_used = sorted({loader for loader, _ in cells})
     steps = len(workloads) * (repeats * len(cells) + len(loaders_used))

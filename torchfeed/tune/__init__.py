@@ -12,7 +12,8 @@ import inspect
 import sys
 import types
 
-from .._tuner import TuneResult, tune as _tune
+from .._tuner import TuneResult
+from .._tuner import tune as _tune
 
 __all__ = ["TuneResult"]
 
