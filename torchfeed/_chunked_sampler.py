@@ -61,8 +61,8 @@ def _batches(batch_sampler: BatchSampler, indices: Iterator[int]) -> Iterator[li
     # torch's BatchSampler.__iter__ over the chunked indices.
     size = batch_sampler.batch_size
     if batch_sampler.drop_last:
-        for batch in zip(*[indices] * size):
-            yield [*batch]
+        for full in zip(*[indices] * size):
+            yield [*full]
     else:
         batch = [*itertools.islice(indices, size)]
         while batch:

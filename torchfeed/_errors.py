@@ -146,7 +146,7 @@ def add_note(exc: BaseException, note: str) -> None:
     both cannot carry the note; it is left as it was.
     """
     if _NATIVE_NOTES:
-        exc.add_note(note)
+        exc.add_note(note)  # type: ignore[attr-defined]  # 3.11+: _NATIVE_NOTES says it is there
         return
     _append_to_message(exc, note)
 
@@ -169,7 +169,7 @@ def _append_to_message(exc: BaseException, note: str) -> None:
         pass
     exc.args = saved[0]
     if saved[1] is not None:
-        exc.strerror = saved[1]
+        exc.strerror = saved[1]  # type: ignore[attr-defined]  # it had one: an OSError's, or its own
 
 
 def _as_int(index):
@@ -227,7 +227,7 @@ def nested_worker_error(num_workers: int) -> AssertionError | None:
         "loads in this worker, which already runs in parallel with the others.")
 
 
-_SIGNAL_HINTS = {
+_SIGNAL_HINTS: dict[int, str] = {  # signal.Signals keys: IntEnum, equal to the int
     signal.SIGKILL: (
         "SIGKILL is almost always the kernel's out-of-memory killer. Check `dmesg` "
         "(or `journalctl -k`) for 'Out of memory: Killed process', then lower "

@@ -139,7 +139,7 @@ class IterableFetcher:
                 yield sample
                 del sample
 
-        samples = SampleStream(items(first), n)
+        samples: SampleStream | list = SampleStream(items(first), n)
         del first
         if not self._lazy:
             samples = list(samples)  # torch's order: every sample, then the collate

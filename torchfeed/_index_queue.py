@@ -31,7 +31,7 @@ from multiprocessing.reduction import ForkingPickler
 PIPE_BUF = getattr(select, "PIPE_BUF", 512)  # POSIX guarantees at least 512
 
 
-def _dumps(obj) -> bytes:
+def _dumps(obj) -> bytes | memoryview:
     """A task is ints and a list of indices: pickle's C pickler handles it at
     a fraction of ForkingPickler's cost (which copies two dispatch tables per
     call). Indices only ForkingPickler can reduce take its path."""

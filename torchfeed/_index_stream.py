@@ -28,6 +28,8 @@ positions without loading any data (``load_state_dict`` does it once first,
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils.data import IterableDataset
 
@@ -86,6 +88,8 @@ class IndexStream(Replay):
         # cost nothing); a map-style dataset's only when the dataset is Stateful.
         self.dataset_stateful = is_stateful(loader.dataset)
         self.ships_state = self.is_iterable or self.dataset_stateful
+        self.sampler: Any
+        self.sampler_protocol: str | None
         self.sampler, self.sampler_protocol = (None, None) if self.is_iterable \
             else stateful_sampler(self.index_sampler)
         self.generators = sampler_generators(self.index_sampler, loader.generator)
@@ -97,11 +101,11 @@ class IndexStream(Replay):
                                                                 self.sampler_protocol)
         self.lazy_draws = False  # the sampler drew from a global RNG after its first batch
         self.book = ResumeBook.of(loader)
-        self.base_seed = None
+        self.base_seed: int | None = None
         # An IterDataPipe's shared seed (``_datapipes.py``): drawn with the
         # epoch's other draws, in torch's order, so a resume replays it.
         self.shared = SharedSeed() if is_iter_datapipe(loader.dataset) else None
-        self.shared_seed = None
+        self.shared_seed: int | None = None
         self.worker_states = [None] * max(1, self.num_workers)    # the datasets' states
         self.iterator_states = [None] * max(1, self.num_workers)  # their iterators' states
 
@@ -138,8 +142,8 @@ class IndexStream(Replay):
         self.finished = False
         self.batches_yielded = self.samples_yielded = 0
         self.frontier = self.prefix_samples = 0
-        self.out_of_order = {}       # position -> samples, yielded before the frontier got there
-        self._skip = set()           # positions a resume must not hand out again
+        self.out_of_order: dict[int, int] = {}  # position -> samples, yielded before the frontier got there
+        self._skip: set[int] = set()  # positions a resume must not hand out again
         self._next_pos = 0
         self._peeked = _NOTHING
         self._watch = WATCH_BATCHES if self.host else 0
@@ -147,7 +151,7 @@ class IndexStream(Replay):
         self.first_worker = 0
         self.reread = 0              # batches to read and drop (stateless IterableDataset)
         self.exhausted = set()       # workers whose last yielded batch ended their stream
-        self.end_states = {}         # worker -> its dataset's state when its stream ended
+        self.end_states: dict = {}   # worker -> its dataset's state when its stream ended
         # What each worker loads: [dataset state or None, ended, iterator state or None].
         self.load_states = None
         slots = max(1, self.num_workers)
@@ -206,7 +210,7 @@ class IndexStream(Replay):
     def _capture(self) -> None:
         """Record what rebuilding this epoch's stream needs (before the sampler draws)."""
         generator = self.generator
-        self.rng = {
+        self.rng: dict[str, Any] = {
             "generator": None if generator is None else encode_rng(generator.get_state()),
             "global": encode_rng(torch.get_rng_state()),
             "samplers": [encode_rng(g.get_state()) for g in self.generators],

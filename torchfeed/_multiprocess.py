@@ -34,6 +34,7 @@ import os
 import queue
 import time
 import weakref
+from typing import Any
 
 import torch
 
@@ -72,13 +73,13 @@ class MultiProcessIterator(BaseIterator):
                 f"{self._num_workers} workers. Use prefetch_factor=1 or more (torch's "
                 "default is 2).")
         self._in_order = loader.in_order
-        self._workers = []
-        self._workers_status = []  # per worker: False once its iterable has ended
-        self._index_queues = []
-        self._stack_pipes = []  # per worker: where it dumps its stacks on timeout
-        self._pin_thread = None
+        self._workers: list = []
+        self._workers_status: list[bool] = []  # per worker: False once its iterable has ended
+        self._index_queues: list = []
+        self._stack_pipes: list = []  # per worker: where it dumps its stacks on timeout
+        self._pin_thread: PinMemoryThread | None = None
         self._restarts = RestartBudget(getattr(loader, "max_worker_restarts", 0))
-        self._acks_pending = set()  # workers yet to acknowledge ResumeIteration
+        self._acks_pending: set[int] = set()  # workers yet to acknowledge ResumeIteration
         ctx = self._ctx = loader.multiprocessing_context or torch.multiprocessing
         self._result_queue = ctx.Queue()
         self._channel = create_channel(self._num_workers, ctx, loader)
@@ -147,8 +148,8 @@ class MultiProcessIterator(BaseIterator):
             super()._reset(loader, first_iter)
         self._send_idx = 0
         self._rcvd_idx = 0
-        self._task_info = {}    # send_idx -> (worker_id, batch_index, indices)
-        self._arrived = {}      # send_idx -> batch that came back before its turn
+        self._task_info: dict[int, tuple] = {}  # send_idx -> (worker_id, batch_index, indices)
+        self._arrived: dict[int, Any] = {}      # send_idx -> batch that came back before its turn
         self._tasks_outstanding = 0
         self._workers_status[:] = [True] * self._num_workers  # the receiver shares the list
         self._workers_num_tasks = [0] * self._num_workers

@@ -68,7 +68,7 @@ class PinMemoryThread:
     """Reads ``receive()`` results, pins them, and queues them for the reorder step."""
 
     def __init__(self, receive, device, device_index: int | None, pin: bool = True):
-        self.out = queue.Queue()
+        self.out: queue.Queue = queue.Queue()
         # callable(timeout) -> (ok, (send_idx, batch)).  It must not keep the
         # iterator alive, not even for a moment (see _receive.py): a running
         # thread is a GC root, and a dropped iterator must still be collected.

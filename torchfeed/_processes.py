@@ -181,6 +181,8 @@ def _server_finds(name: str) -> bool:
     ``datasets.py`` and the ``datasets`` package) would be the wrong module in
     every worker: neither is preloaded."""
     top = sys.modules.get(name.partition(".")[0])
+    if top is None:
+        return False  # not imported
     origin = getattr(getattr(top, "__spec__", None), "origin", None)
     if not origin or not os.path.isfile(origin):
         return False  # built at run time, a namespace package, or a frozen module

@@ -45,7 +45,7 @@ class ResultReceiver:
         self.stats = stats
         self.workers = workers                # a restarted worker replaces its own entry
         self.workers_status = workers_status  # False once a worker's iterable has ended
-        self.pending = collections.deque()    # results read while restarting a worker
+        self.pending: collections.deque = collections.deque()    # results read while restarting a worker
         self.stopped = False                  # the iterator is shutting down
 
     def watched_sentinels(self):

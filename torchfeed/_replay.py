@@ -13,6 +13,7 @@ is its ``_resume``.
 from __future__ import annotations
 
 import itertools
+from typing import Any, Callable
 
 from ._chunked_sampler import iterate
 from ._rng import draw_base_seed, replaying
@@ -29,6 +30,17 @@ def _advance(iterator, n):
 
 class Replay:
     """The replay half of ``IndexStream``; see the module docstring."""
+
+    # What IndexStream sets and defines, read here (declarations for the type checker).
+    sampler: Any
+    index_sampler: Any
+    generator: Any
+    generators: list
+    num_workers: int
+    is_iterable: bool
+    private: list
+    lazy_draws: bool
+    _draw_shared_seed: Callable[..., None]
 
     def _load_sampler(self, state) -> None:
         """The sampler's own ``load_state_dict``; its ValueError names the field it sits in."""

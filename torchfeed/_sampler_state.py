@@ -106,7 +106,7 @@ def sampler_generators(index_sampler, loader_generator) -> list:
     a sharding batch sampler (Accelerate's ``BatchSamplerShard``), whose shuffle
     is drawn from the innermost sampler's generator.
     """
-    found = []
+    found: list[torch.Generator] = []
     for obj in _wrapped_samplers(index_sampler):
         g = getattr(obj, "generator", None)
         if isinstance(g, torch.Generator) and g is not loader_generator \
@@ -116,7 +116,8 @@ def sampler_generators(index_sampler, loader_generator) -> list:
 
 
 def _wrapped_samplers(index_sampler, depth: int = 4) -> list:
-    chain, obj = [], index_sampler
+    chain: list = []
+    obj = index_sampler
     while obj is not None and len(chain) < depth:
         chain.append(obj)
         obj = getattr(obj, "sampler", None) or getattr(obj, "batch_sampler", None)

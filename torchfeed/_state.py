@@ -148,10 +148,10 @@ class ResumeBook:
     undo_start = None  # set while an iter() is starting an epoch (see starting())
 
     def __init__(self, loader) -> None:
-        self.live = None      # the IndexStream of the latest epoch started
+        self.live: IndexStream | None = None  # the IndexStream of the latest epoch started
         self.next_epoch = 0
-        self.plan = None      # set by load_state_dict, used by the next iter()
-        self.loaded = None    # the state loaded, returned by state_dict() until then
+        self.plan: Plan | None = None  # set by load_state_dict, used by the next iter()
+        self.loaded: dict | None = None  # the state loaded, returned by state_dict() until then
         self.warned = False   # state_dict() said once why a resume cannot be exact
         dataset = loader.dataset
         self.adapter = adapter_for(dataset)  # mosaicml-streaming's, litdata's dataset

@@ -58,6 +58,10 @@ class IteratorStats:
                  "worker_busy", "epoch", "_pin_base", "_live", "_window", "persistent",
                  "_begun", "_start_mono", "_starts", "_uss_start", "_next_memory_check",
                  "__weakref__")
+    end: float | None
+    _next_memory_check: float
+    _starts: dict[int, tuple[float, float]]  # worker -> (launched, ready), monotonic()
+    _uss_start: dict[int, int | None]
 
     def __init__(self, iterator, loader, epoch: int) -> None:
         self._iterator = weakref.ref(iterator, self._iterator_gone)
@@ -416,7 +420,7 @@ def _slowest(s) -> str:
             f"{100 * w['busy_fraction']:.0f}% busy")
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

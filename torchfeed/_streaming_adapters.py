@@ -32,8 +32,8 @@ class _Adapter:
 
     def __init__(self, dataset) -> None:
         self.dataset = dataset
-        self.epoch = None     # the library's epoch this loader's epoch runs
-        self.loaded = None    # a state loaded into the dataset, in effect from the next epoch
+        self.epoch: int | None = None  # the library's epoch this loader's epoch runs
+        self.loaded: dict | None = None  # a state loaded into the dataset, in effect from the next epoch
         self.resumed = False  # the epoch now running continues a loaded state
 
     def started(self, carries: bool, previous_finished: bool) -> None:

@@ -376,7 +376,7 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
             else:
                 kwargs["prefetch_factor"] = factor
             row = TuneRow(workers, factor)
-            made = []  # without persistent workers a loader holds no process once iterated
+            made: list = []  # without persistent workers a loader holds no process once iterated
             keep = workers > 0 and not kwargs.get("persistent_workers")
             try:
                 timing = time_loader(lambda: _made(made, cls(**kwargs), keep), seconds=seconds,

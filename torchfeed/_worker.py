@@ -123,6 +123,7 @@ def _enable_crash_traces() -> None:
     """Make a segfault print the worker's Python stack.  Under pytest's capsys or
     in some notebooks ``sys.stderr`` has no file descriptor; fall back to fd 2
     rather than let the worker die before its first task."""
+    target: Any
     for target in (sys.stderr, sys.__stderr__, 2):
         try:
             faulthandler.enable(file=target)

@@ -144,7 +144,7 @@ class DistributedSampler(_TorchDistributedSampler):
     # -- the epoch order and this rank's share of it ---------------------------
 
     def _order(self) -> torch.Tensor:
-        n = len(self.dataset)
+        n = len(self.dataset)  # type: ignore[arg-type]  # a sized dataset, as torch's sampler needs
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
@@ -153,7 +153,7 @@ class DistributedSampler(_TorchDistributedSampler):
 
     def _pass_size(self, start: int) -> int:
         """Global slots (all ranks) in a pass over ``order[start:]``."""
-        rest, w = len(self.dataset) - start, self.num_replicas
+        rest, w = len(self.dataset) - start, self.num_replicas  # type: ignore[arg-type]  # a sized dataset, as torch's sampler needs
         return (rest // w) * w if self.drop_last else -(-rest // w) * w
 
     def _shard(self, start: int) -> torch.Tensor:
@@ -193,7 +193,7 @@ class DistributedSampler(_TorchDistributedSampler):
                 warnings.warn(
                     f"DistributedSampler.set_epoch({epoch}) discards the resume position "
                     f"loaded for epoch {self.epoch} (sample {self._resume_at} of "
-                    f"{len(self.dataset)}); call set_epoch({self.epoch}) to continue it",
+                    f"{len(self.dataset)}); call set_epoch({self.epoch}) to continue it",  # type: ignore[arg-type]  # a sized dataset, as torch's sampler needs
                     stacklevel=2,
                 )
             self._resume_at = None
@@ -218,7 +218,7 @@ class DistributedSampler(_TorchDistributedSampler):
                 f"(epoch {self.epoch}, starting at sample {start}); count the indices "
                 "consumed since the latest iter(sampler)"
             )
-        position = min(start + consumed * self.num_replicas, len(self.dataset))
+        position = min(start + consumed * self.num_replicas, len(self.dataset))  # type: ignore[arg-type]  # a sized dataset, as torch's sampler needs
         return {
             "kind": _KIND,
             "version": _VERSION,
@@ -226,7 +226,7 @@ class DistributedSampler(_TorchDistributedSampler):
             "seed": int(self.seed),
             "shuffle": bool(self.shuffle),
             "drop_last": bool(self.drop_last),
-            "dataset_len": len(self.dataset),
+            "dataset_len": len(self.dataset),  # type: ignore[arg-type]  # a sized dataset, as torch's sampler needs
             "samples_consumed": int(position),
             "world_size": int(self.num_replicas),
         }
@@ -240,7 +240,7 @@ class DistributedSampler(_TorchDistributedSampler):
         """
         _validate(state)
         for field, mine in (
-            ("dataset_len", len(self.dataset)),
+            ("dataset_len", len(self.dataset)),  # type: ignore[arg-type]  # a sized dataset, as torch's sampler needs
             ("seed", self.seed),
             ("shuffle", self.shuffle),
             ("drop_last", self.drop_last),

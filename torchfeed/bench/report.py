@@ -117,7 +117,8 @@ def _peer_groups(results: Sequence[WorkloadResult], peers: Sequence[str]):
     """The peer table's groups: for each figure, each peer's and torchfeed/peer."""
     groups = []
     for metric, title, direction, show in _COLUMNS:
-        heads, rows = [], [[] for _ in results]
+        heads: list = []
+        rows: list[list] = [[] for _ in results]
         for peer in peers:
             heads += [peer, f"tf/{peer}"]
             for row, r in zip(rows, results):
