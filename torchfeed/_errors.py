@@ -239,9 +239,12 @@ _SIGNAL_HINTS: dict[int, str] = {  # signal.Signals keys: IntEnum, equal to the 
         "to get the crash in the main process, or try multiprocessing_context='spawn'."
     ),
     signal.SIGBUS: (
-        "SIGBUS usually means shared memory ran out: /dev/shm is too small "
-        "(Docker's default is 64 MB). Start the container with --shm-size=8g, "
-        "or lower batch_size or prefetch_factor."
+        "SIGBUS usually means shared memory ran out. Batches sent through torch's "
+        "transport (transport='torch', or those that fell back with a ShmFallbackWarning) "
+        "live in /dev/shm: if it is too small (Docker's default is 64 MB), start the "
+        "container with --shm-size=8g. torchfeed's own memfd slots do not use /dev/shm; "
+        "for them memory itself ran out. Either way, lower batch_size or prefetch_factor "
+        "helps."
     ),
     signal.SIGABRT: (
         "SIGABRT is an abort() in native code, often a failed assertion in a C "

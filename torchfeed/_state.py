@@ -1,4 +1,7 @@
-"""The loader's resumable state: what ``state_dict()`` returns, its validation, and its replay.
+"""The loader's resumable state: its format, what ``state_dict()`` returns and what
+``load_state_dict`` applies.  The checks a state must pass live in
+``_state_validation.py``, the replay of its epoch in ``_replay.py`` (a mixin of
+``_index_stream.py``'s ``IndexStream``), the sampler's part in ``_sampler_state.py``.
 
 A state is a position in a deterministic index stream, never data (the design
 of Grain's checkpoints).  For a map-style dataset it says which epoch, how many
@@ -65,7 +68,7 @@ checks everything it can up front (``_state_validation.py``) and raises
 ``ValueError`` naming the field and both values; the state then takes effect
 at the next ``iter()``.  To check what only the sampler can tell (a position
 past the end of the epoch, an epoch with every batch yielded), a map-style
-state's epoch is replayed (indices only) up to its checkpoint inside
+state's epoch is replayed (indices only, ``_replay.py``) up to its checkpoint inside
 ``load_state_dict``, and again at ``iter()``; a refused state leaves the
 generators and the sampler's epoch as they were.  A finished epoch is replayed
 to its end there, so the loader's and the sampler's generators, and a stateful
