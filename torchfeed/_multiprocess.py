@@ -41,6 +41,7 @@ import torch
 from ._errors import WorkerFailure, describe_dead_worker, describe_samples
 from ._iterator_base import BaseIterator
 from ._pin_memory import PinMemoryThread, pass_through_requested
+from ._pipe_reader import WAIT_SLICE
 from ._processes import close_queue, launch_worker, stop_workers
 from ._receive import ResultReceiver
 from ._restart import RestartBudget, WorkerDied, handle_worker_death
@@ -48,8 +49,6 @@ from ._stack_dump import collect_dumps, describe_timeout
 from ._state import StatefulUnpacker
 from ._transport import create_channel
 from ._worker import IterableExhausted, ResumeIteration, Task, WorkerSpec
-
-WAIT_SLICE = 0.1      # longest single wait, so timeouts and dead threads are noticed
 
 _live_iterators: weakref.WeakSet = weakref.WeakSet()
 

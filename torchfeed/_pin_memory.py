@@ -22,6 +22,7 @@ from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 import torch
 
 from ._errors import WorkerFailure
+from ._pipe_reader import WAIT_SLICE
 
 # Lets the thread's plumbing run (and be tested) on a machine with no
 # accelerator: batches pass through it unpinned.  A debugging aid only.
@@ -90,7 +91,7 @@ class PinMemoryThread:
             torch.accelerator.set_device_index(self._device_index)
         while not self._done.is_set():
             try:
-                ok, item = self._receive(0.1)
+                ok, item = self._receive(WAIT_SLICE)
             except Exception as exc:  # the main thread re-raises it
                 self.out.put(("error", exc))
                 return

@@ -26,7 +26,7 @@ import time
 
 CHUNK = 1 << 16    # bytes asked for per read
 STALL = 2.0        # seconds a message may stop arriving, with a writer dead, before we give up
-WAIT_SLICE = 0.1
+WAIT_SLICE = 0.1   # longest single wait, so timeouts, dead writers and stop requests are noticed
 
 
 class HalfMessage(Exception):

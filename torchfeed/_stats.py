@@ -44,6 +44,7 @@ from time import monotonic, perf_counter
 
 from . import _worker_costs
 from ._processes import launched_at
+from ._transport._space import human
 
 logger = logging.getLogger("torchfeed")
 
@@ -310,9 +311,9 @@ class LoaderStats(dict):
                          f"(prefetch limit {q['limit']})")
             if m["slots"]:
                 in_use_bytes = ("" if m["in_use_bytes"] is None
-                                else f", {_size(m['in_use_bytes'])} in use")
+                                else f", {human(m['in_use_bytes'])} in use")
                 lines.append(f"  shared memory       {m['in_use']} of {m['slots']} slots in use, "
-                             f"{_size(m['bytes'])} allocated{in_use_bytes}")
+                             f"{human(m['bytes'])} allocated{in_use_bytes}")
             else:
                 lines.append("  shared memory       no slots")
             if s["pin_thread_busy_seconds"] is not None:
@@ -323,10 +324,10 @@ class LoaderStats(dict):
             grown = [w for w in s["workers"] if w.get("uss_bytes") is not None]
             if grown:
                 lines.append("  worker memory (USS) " + ", ".join(
-                    f"{'main' if n == 0 else w['id']}: {_size(w['uss_bytes'])}"
+                    f"{'main' if n == 0 else w['id']}: {human(w['uss_bytes'])}"
                     + ("" if w["uss_growth_bytes"] is None
                        else f" ({'+' if w['uss_growth_bytes'] >= 0 else '-'}"
-                            f"{_size(abs(w['uss_growth_bytes']))} since start)")
+                            f"{human(abs(w['uss_growth_bytes']))} since start)")
                     for w in grown))
         lines.append(f"  verdict             {verdict(s)}")
         return "\n".join(lines)
@@ -418,14 +419,6 @@ def _slowest(s) -> str:
     name = "main" if s["num_workers"] == 0 else str(w["id"])
     return (f"worker {name}: {1000 * w['mean_fetch_seconds']:.1f} ms/batch, "
             f"{100 * w['busy_fraction']:.0f}% busy")
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 _visible = False
