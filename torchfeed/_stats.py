@@ -80,7 +80,7 @@ class IteratorStats:
         self.wait += now - t0
         self.yielded += 1
         if self.yielded == self.next_log:
-            self.next_log += self.log_every
+            self.next_log += self.log_every or 0  # never None here: next_log stays 0 without it
             self._log(now)
         if now >= self._next_memory_check:
             self._next_memory_check = now + _worker_costs.MEMORY_CHECK_EVERY
@@ -224,11 +224,12 @@ class IteratorStats:
             batches, busy = list(self.worker_batches), list(self.worker_busy)
             pids = (live["pids"] + [None] * self.num_workers)[:self.num_workers]
         uss = (uss + [None] * len(batches))[:len(batches)]
-        starts = [self._starts.get(i) for i in range(len(batches))]
+        spans = [self._starts.get(i) for i in range(len(batches))]
+        starts = [None if s is None else s[1] - s[0] for s in spans]  # launched to ready
         workers = [{"id": i, "pid": pids[i], "batches": batches[i],
                     "busy_seconds": busy[i], "busy_fraction": busy[i] / wall,
                     "mean_fetch_seconds": busy[i] / batches[i] if batches[i] else None,
-                    "start_seconds": None if starts[i] is None else starts[i][1] - starts[i][0],
+                    "start_seconds": starts[i],
                     "uss_bytes": uss[i], "uss_growth_bytes": self._growth(i, uss[i])}
                    for i in range(len(batches))]
         start_seconds, since_launch = _worker_costs.start_span(
