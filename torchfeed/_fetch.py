@@ -83,10 +83,10 @@ class IterableFetcher:
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
         self.drop_last = drop_last
-        self._iterator = None
+        self._iterator: Any = None  # iter(dataset), once the first task asks
         self._iterator_state = iterator_state  # a resume's, loaded right after iter()
         self.ended = False
-        self.last_size = None  # samples in the latest batch when it came up short, else None
+        self.last_size: int | None = None  # samples in the latest batch when it came up short, else None
         self._lazy = takes_sample_stream(collate_fn)
 
     @property

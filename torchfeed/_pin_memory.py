@@ -41,23 +41,23 @@ def pin_memory(data, device=None):
                 clone = copy.copy(data)
                 clone.update(pinned)
                 return clone
-            return type(data)(pinned)
+            return type(data)(pinned)  # type: ignore[call-arg]  # the user's class, as torch builds it
         except TypeError:
             return pinned
     if isinstance(data, tuple):
         items = (pin_memory(v, device) for v in data)
         return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
     if isinstance(data, Sequence):
-        pinned = [pin_memory(v, device) for v in data]
+        pinned_items = [pin_memory(v, device) for v in data]
         try:
             if isinstance(data, MutableSequence):
-                clone = copy.copy(data)
-                for i, item in enumerate(pinned):
-                    clone[i] = item
-                return clone
-            return type(data)(pinned)
+                seq_clone = copy.copy(data)
+                for i, item in enumerate(pinned_items):
+                    seq_clone[i] = item
+                return seq_clone
+            return type(data)(pinned_items)  # type: ignore[call-arg]  # the user's class, as torch builds it
         except TypeError:
-            return pinned
+            return pinned_items
     return data
 
 

@@ -12,12 +12,13 @@ loader rebuilt from its attributes keeps them too.
 """
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch.utils.data
 
 from . import _state
 from ._errors import nested_worker_error
+from ._iterator_base import BaseIterator
 from ._multiprocess import MultiProcessIterator
 from ._options import resolve_log_every, resolve_transport, validate_max_worker_restarts, validate_options
 from ._single_process import SingleProcessIterator
@@ -90,7 +91,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             # would re-raise that error at every later iter(); start fresh workers.
             self._iterator = None
         with _state.starting(self):
-            iterator = super().__iter__()
+            iterator = cast(BaseIterator, super().__iter__())  # torch's __iter__ returns our _get_iterator's
         iterator._stats.start_clock()  # when the user has it; counts began before any task
         self._stats_source = iterator._stats    # not the iterator: stats keep no worker alive
         return iterator
