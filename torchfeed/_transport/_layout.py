@@ -43,6 +43,7 @@ import copyreg
 import io
 import pickle
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,11 +112,12 @@ _dispatch_sizes = [(-1, -1)]
 def _dispatch_table():
     """copyreg's reductions plus multiprocessing's (torch registers its own
     there); what ``ForkingPickler`` uses, without copying it per batch."""
-    sizes = (len(copyreg.dispatch_table), len(ForkingPickler._extra_reducers))
+    # _extra_reducers: multiprocessing's private registry of reducers, absent from its stubs
+    sizes = (len(copyreg.dispatch_table), len(ForkingPickler._extra_reducers))  # type: ignore[attr-defined]
     if sizes != _dispatch_sizes[0]:
         _dispatch.clear()
         _dispatch.update(copyreg.dispatch_table)
-        _dispatch.update(ForkingPickler._extra_reducers)
+        _dispatch.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
         _dispatch_sizes[0] = sizes
     return _dispatch
 
@@ -129,6 +131,9 @@ class LeafPickler(pickle.Pickler):
     slot (by the direct collate), which are referenced, not copied (unless
     ``copy_direct``). Everything else is pickled as ``ForkingPickler`` would.
     """
+
+    data: bytes          # set by dump(): the pickle
+    descs: Any           # a list while pickling, a tuple once dump() is done
 
     def __init__(self, file, start: int = 0, direct=None, copy_direct=False):
         super().__init__(file, pickle.HIGHEST_PROTOCOL)

@@ -42,6 +42,7 @@ import threading
 import warnings
 import weakref
 from multiprocessing import reduction
+from typing import Any
 
 import numpy as np
 import torch
@@ -130,7 +131,7 @@ class ShmChannel:
             except BaseException:
                 _close_fds(self._fds, self._owner_pid)
                 raise
-        self._unpacker = None
+        self._unpacker: Unpacker | None = None
         self._finalizer = weakref.finalize(self, _close_fds, self._fds, self._owner_pid)
         if disabled_warning is not None:
             warnings.warn(disabled_warning, ShmFallbackWarning, stacklevel=3)
@@ -332,7 +333,7 @@ class Unpacker:
         self._channel = channel
         self._fds = channel._fds
         self._ctrl = [_slots.ControlBlock(fd) for fd in self._fds]
-        self._cache = [dict() for _ in self._fds]
+        self._cache: list[dict] = [dict() for _ in self._fds]
         self._lock = threading.Lock()
         self._warned = channel.disabled_warning is not None
         self.closed = False
@@ -443,7 +444,7 @@ class Unpacker:
         ``in_use``/``in_use_bytes``: batches rebuilt here and still referenced;
         ``fallbacks``: batches that had no slot (inline, or torch's way);
         ``direct_bytes``: bytes stacked straight into slots by the direct collate."""
-        tot = {"slots": 0, "bytes": 0, "allocations": 0, "retired": 0, "packed": 0,
+        tot: dict[str, Any] = {"slots": 0, "bytes": 0, "allocations": 0, "retired": 0, "packed": 0,
                "worker_fallbacks": 0, "direct_bytes": 0}
         if not self.closed:
             for ctrl in self._ctrl:

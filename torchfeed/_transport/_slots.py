@@ -119,7 +119,8 @@ class SharedMap:
             e = ctypes.get_errno()
             raise OSError(e, f"mmap of {length} bytes of shared memory failed: {os.strerror(e)}")
         self.addr, self.length = addr, length
-        self.array = np.frombuffer((ctypes.c_ubyte * length).from_address(addr), np.uint8)
+        # a ctypes array has the buffer protocol; numpy's stubs do not list ctypes
+        self.array = np.frombuffer((ctypes.c_ubyte * length).from_address(addr), np.uint8)  # type: ignore[call-overload]
         fin = weakref.finalize(self.array, _libc.munmap, addr, length)
         fin.atexit = False  # exiting unmaps anyway; earlier could pull memory from live views
 

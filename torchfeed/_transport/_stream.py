@@ -168,14 +168,14 @@ def _rebuild(x, node, leaf_fn):
                 raise _Mismatch
             y[k] = _rebuild(y[k], child, leaf_fn)
         return y
-    y = list(x)
+    items = list(x)
     for k, child in nodes:
-        if k >= len(y):
+        if k >= len(items):
             raise _Mismatch
-        y[k] = _rebuild(y[k], child, leaf_fn)
+        items[k] = _rebuild(items[k], child, leaf_fn)
     if tp is list:
-        return y
-    return tuple(y) if tp is tuple else tp(*y)
+        return items
+    return tuple(items) if tp is tuple else tp(*items)
 
 
 def _leaves(node):
