@@ -11,7 +11,8 @@ TRANSPORT_ENV = "TORCHFEED_TRANSPORT"
 LOG_EVERY_ENV = "TORCHFEED_LOG_EVERY"
 
 
-def resolve_transport(transport: str | None) -> str:
+def resolve_transport(transport: str | None = None) -> str:
+    """The transport to use: ``transport``, else ``$TORCHFEED_TRANSPORT``, else ``"shm"``."""
     source = "transport"
     if transport is None:
         transport = os.environ.get(TRANSPORT_ENV) or "shm"

@@ -44,14 +44,13 @@ import os
 import resource
 from dataclasses import dataclass
 
+from .._options import TRANSPORT_ENV as ENV_TRANSPORT
+from .._options import TRANSPORTS, resolve_transport  # the loader's: one check, one message
 from . import _slots, _space
 from ._collate import is_default_collate
 from ._shm import Packer, Plain, ShmChannel, ShmFallbackWarning, Unpacker
 from ._space import ENV_LIMIT, SpaceCheck, check_space
 from ._stream import SampleStream
-
-ENV_TRANSPORT = "TORCHFEED_TRANSPORT"
-TRANSPORTS = ("shm", "torch")
 
 # Below this per-worker budget the slots would not be worth having.
 MIN_BYTES_PER_WORKER = 2 * _slots.REGION_ALIGN + _slots.CTRL_BYTES
@@ -92,19 +91,6 @@ def _option(options, name):
     if isinstance(options, dict):
         return options.get(name, default)
     return getattr(options, name, default)
-
-
-def resolve_transport(value=None) -> str:
-    """The transport to use: ``value``, else ``$TORCHFEED_TRANSPORT``, else ``"shm"``."""
-    if value is None:
-        value = os.environ.get(ENV_TRANSPORT) or "shm"
-        what = ENV_TRANSPORT
-    else:
-        what = "transport"
-    if value not in TRANSPORTS:
-        raise ValueError(f"{what} must be one of {', '.join(map(repr, TRANSPORTS))}, "
-                         f"got {value!r}")
-    return value
 
 
 def create_channel(num_workers: int, mp_context=None, options=None):
@@ -208,7 +194,7 @@ class TorchChannel:
 
     def __init__(self, num_workers: int):
         self.num_workers = num_workers
-        self._unpacker = None
+        self._unpacker: _IdentityUnpacker | None = None
 
     def packer(self, worker_id: int):
         return _IdentityPacker(worker_id)
