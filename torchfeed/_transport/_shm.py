@@ -54,6 +54,12 @@ from ._collate import DirectCollate, is_default_collate
 # Module-level so that the weak references that watch them stay reachable.
 _HELD_AFTER_CLOSE: dict = {}
 
+# The largest slot a worker keeps while the loader is idle between epochs.
+# Bigger ones (image batches of 64 are ~10 MiB) are given back, as torch's
+# loader holds no shared memory when idle; the next epoch's first batch per
+# worker then fills a fresh slot, once.
+IDLE_KEEP_BYTES = 1 << 20
+
 
 class ShmFallbackWarning(UserWarning):
     """Some batches went through torch's transport for lack of shared memory."""
@@ -380,16 +386,20 @@ class Unpacker:
         return release
 
     def trim(self) -> None:
-        """Give back the memory of every free slot but one per worker (the
-        smallest: a slot grown for a rare huge batch goes). Call only while no
-        worker builds a batch: between epochs."""
+        """Give back the memory of every free slot but one per worker: the
+        smallest, and only while it is at most ``IDLE_KEEP_BYTES``. A slot
+        grown for a huge batch goes even when it is its worker's only one:
+        the worker's last small batches may all have gone into it, and an
+        idle loader should not sit on it. Call only while no worker builds a
+        batch: between epochs."""
         if self.closed:
             return
         self.idle = True  # and batches released while idle follow suit
         for w, cache in enumerate(self._cache):
             states = self._ctrl[w].states
             free = sorted((e.cap, idx) for idx, e in cache.items() if states[idx] == _slots.FREE)
-            for _, idx in free[1:]:
+            keep = 1 if free and free[0][0] <= IDLE_KEEP_BYTES else 0
+            for _, idx in free[keep:]:
                 _punch(cache[idx], states, idx)
 
     def unpack(self, payload):

@@ -22,10 +22,10 @@ dies. Ownership alternates, so one byte with no lock is enough. A slot the
 worker has taken for the batch it is building is ``FILLING``, and one it gave
 back is ``RETIRED``: to the main process, neither is free. At the end of an
 epoch of a persistent loader, the main process gives the memory of every free
-slot but one per worker back to the system and marks those ``PUNCHED``
+slot but one small one per worker back to the system and marks those ``PUNCHED``
 (``Unpacker.trim``), and does the same for slots released while the loader is
-idle; the worker then forgets them. So an idle loader holds one slot per
-worker. While batches flow, slots are kept and reused.
+idle; the worker then forgets them. So an idle loader holds at most one slot
+of at most 1 MiB per worker (``_shm.IDLE_KEEP_BYTES``). While batches flow, slots are kept and reused.
 
 Every region is allocated with ``posix_fallocate`` before it is mapped, so a
 shortage is an ``OSError`` (ENOSPC/ENOMEM), never a SIGBUS on first touch.
