@@ -30,8 +30,11 @@ seconds spent starting the workers this epoch; when that is most of an epoch
 the loop waited on (spawn, or forkserver, without persistent workers), the
 verdict and the log line say so and suggest ``persistent_workers=True``.  It
 also shows each worker's private memory (USS) and its growth since the worker
-started, read when asked, every ``MEMORY_CHECK_EVERY`` seconds of iteration
-(for the copy-on-read warning) and just before the workers stop.
+started, read when asked while the workers live, every ``MEMORY_CHECK_EVERY``
+seconds of iteration (for the copy-on-read warning), and just before the
+workers stop unless the last reading is under ``LAST_LOOK_AFTER`` old (a
+reading costs tens of ms, which short epochs without persistent workers
+must not pay each time).
 """
 from __future__ import annotations
 
@@ -58,9 +61,11 @@ class IteratorStats:
                  "start", "end", "wait", "yielded", "next_log", "worker_batches",
                  "worker_busy", "epoch", "_pin_base", "_live", "_window", "persistent",
                  "_begun", "_start_mono", "_starts", "_uss_start", "_next_memory_check",
+                 "_memory_read_at",
                  "__weakref__")
     end: float | None
     _next_memory_check: float
+    _memory_read_at: float  # perf_counter() of the last USS reading, or the epoch's start
     _starts: dict[int, tuple[float, float]]  # worker -> (launched, ready), monotonic()
     _uss_start: dict[int, int | None]
 
@@ -144,6 +149,7 @@ class IteratorStats:
         self._window = (self.start, 0.0, 0)
         self._next_memory_check = (self.start + _worker_costs.MEMORY_CHECK_EVERY if self.num_workers
                                    else float("inf"))
+        self._memory_read_at = self.start
 
     def _iterator_gone(self, _ref) -> None:
         if self.end is None:
@@ -178,6 +184,7 @@ class IteratorStats:
 
     def _read_memory(self) -> list:
         """Each live worker's private memory (USS) now, in bytes, or None."""
+        self._memory_read_at = perf_counter()
         out = (_worker_costs.private_bytes(self._live["pids"])
                + [None] * self.num_workers)[:self.num_workers]
         # A worker that has exited keeps its last reading.
@@ -187,7 +194,11 @@ class IteratorStats:
 
     def last_look(self) -> None:
         """The workers are about to stop: keep their memory figures for stats()."""
-        if self.num_workers:
+        # Reading USS parses each worker's smaps (tens of ms for freshly
+        # started workers), so an epoch that ended within LAST_LOOK_AFTER of
+        # the last reading keeps that reading: short create-iterate-delete
+        # cycles must not pay it every time.
+        if self.num_workers and perf_counter() - self._memory_read_at >= _worker_costs.LAST_LOOK_AFTER:
             try:
                 self._read_memory()
             except Exception:  # statistics must never break the shutdown
@@ -213,7 +224,10 @@ class IteratorStats:
         it = self._iterator()
         # Workers' memory first (a few /proc reads), then the queues and slots,
         # so those are read as close to the return as they can be.
-        uss = (self._read_memory() if self.num_workers and running_now(it, self)
+        # Read while the workers are there: during an epoch, and between the
+        # epochs of persistent workers.
+        workers_alive = it is not None and not getattr(it, "_shutdown", False)
+        uss = (self._read_memory() if self.num_workers and workers_alive
                else list(self._live.get("uss") or []))
         live = self._read_live() if self.end is None else self._live
         now = self.end if self.end is not None else perf_counter()

@@ -21,6 +21,7 @@ logger = logging.getLogger("torchfeed")
 
 USS_GROWTH_WARN = 256 * 2**20  # a worker's private memory grown this much since its start
 MEMORY_CHECK_EVERY = 10.0      # seconds of iteration between checks of workers' memory
+LAST_LOOK_AFTER = 1.0          # seconds since the last reading before a shutdown reads again
 
 _warned = False
 
