@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import os
 import random
+import signal
+import subprocess
 import threading
 import time
 import warnings
@@ -157,3 +159,23 @@ def warm_up(dataset=None, num_workers: int = 2, **kwargs) -> None:
 
 def warning_messages(record) -> list[tuple[type, str]]:
     return [(w.category, str(w.message)) for w in record]
+
+
+def launch_in_own_session(cmd, timeout):
+    """Run a launcher (torchrun and the like) in a session of its own and
+    return ``(returncode, output)``: if it hangs or fails, the whole process
+    group (its ranks and their workers) is killed with it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a failed launch
+        except ProcessLookupError:
+            pass
+    return proc.returncode, output

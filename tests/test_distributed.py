@@ -4,9 +4,6 @@ import io
 import itertools
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 import time
 import warnings
@@ -438,6 +435,7 @@ def test_check_iterable_world_size():
 
 sys.path.insert(0, str(HERE))
 import _dist_ranks as script  # noqa: E402
+from loader_helpers import launch_in_own_session  # noqa: E402
 
 
 class Launch:
@@ -447,21 +445,7 @@ class Launch:
         out.mkdir()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", str(HERE / "_dist_ranks.py"), str(out), *extra]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        # Own session: if torchrun is killed, its ranks and their workers go with it.
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env, start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=script.HANG_S + 30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a failed launch
-            except ProcessLookupError:
-                pass
-        self.returncode, self.output = proc.returncode, output
+        self.returncode, self.output = launch_in_own_session(cmd, script.HANG_S + 30)
         self.results = self._read(out, nproc, "rank{}.json")
         self.iterable = self._read(out, nproc, "rank{}-iterable.json")
 

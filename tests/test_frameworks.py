@@ -6,15 +6,13 @@ two workers and a worker failure (tests/_ray_train.py).  All of them are real:
 the [test] extra installs them.
 """
 import json
-import os
-import signal
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from loader_helpers import launch_in_own_session
 from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data import Dataset
 
@@ -122,21 +120,7 @@ def test_accelerate_stateful_dataloader_option_warns_and_keeps_torchfeed(fresh_w
 
 # -- Accelerate, two processes (torchrun, gloo) ----------------------------------------
 def _launch(cmd, timeout):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    # Own session: if the launcher is killed, its ranks and their workers go with it.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a failed launch
-        except ProcessLookupError:
-            pass
-    return proc.returncode, output
+    return launch_in_own_session(cmd, timeout)
 
 
 @pytest.mark.timeout(200)
