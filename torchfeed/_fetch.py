@@ -85,7 +85,7 @@ class IterableFetcher:
         self.drop_last = drop_last
         self._iterator: Any = None  # iter(dataset), once the first task asks
         self._iterator_state = iterator_state  # a resume's, loaded right after iter()
-        self.ended = False
+        self.exhausted = False
         self.last_size: int | None = None  # samples in the latest batch when it came up short, else None
         self._lazy = takes_sample_stream(collate_fn)
 
@@ -105,20 +105,20 @@ class IterableFetcher:
         return self._iterator
 
     def fetch(self, indices) -> Any:
-        if self.ended:
+        if self.exhausted:
             raise StopIteration
         stream = self._stream()
         if not self.auto_collation:
             try:
                 return self.collate_fn(next(stream))
             except StopIteration:
-                self.ended = True
+                self.exhausted = True
                 raise
         n = len(indices)
         try:
             first = next(stream)  # an empty batch must never reach the collate
         except StopIteration:
-            self.ended = True
+            self.exhausted = True
             raise
         short = False
         self.last_size = None
@@ -153,7 +153,7 @@ class IterableFetcher:
                 raise
             batch = None
         if short:
-            self.ended = True
+            self.exhausted = True
             if self.drop_last:
                 raise StopIteration
         return batch

@@ -49,7 +49,7 @@ _NOTHING = object()
 class StatefulResult:
     """A batch and the (dataset, iterator) state its worker reported right after making it.
 
-    ``ended``: making it hit the end of the worker's stream (a short last
+    ``exhausted``: making it hit the end of the worker's stream (a short last
     batch), so the worker has nothing more this epoch.  ``samples``: how many
     samples a short last batch holds (None: a full batch).  The worker wraps
     the transport's payload in one (a dataset without state sends one only for
@@ -58,17 +58,17 @@ class StatefulResult:
     user, not when it arrives.
     """
 
-    __slots__ = ("value", "state", "ended", "samples")
+    __slots__ = ("value", "state", "exhausted", "samples")
 
-    def __init__(self, value, state, ended: bool = False, samples=None) -> None:
+    def __init__(self, value, state, exhausted: bool = False, samples=None) -> None:
         self.value = value
         self.state = state
-        self.ended = ended
+        self.exhausted = exhausted
         self.samples = samples
 
     def pin_memory(self):  # the pin-memory thread pins what is inside
         from ._pin_memory import pin_memory
-        return StatefulResult(pin_memory(self.value), self.state, self.ended, self.samples)
+        return StatefulResult(pin_memory(self.value), self.state, self.exhausted, self.samples)
 
 
 class IndexStream(Replay):
@@ -148,19 +148,19 @@ class IndexStream(Replay):
         self._peeked = _NOTHING
         self._watch = WATCH_BATCHES if self.host else 0
         self.consumed_offset = 0     # items of a "position" sampler used before its iter()
-        self.first_worker = 0
+        self.next_worker = 0
         self.reread = 0              # batches to read and drop (stateless IterableDataset)
-        self.exhausted = set()       # workers whose last yielded batch ended their stream
-        self.end_states: dict = {}   # worker -> its dataset's state when its stream ended
-        # What each worker loads: [dataset state or None, ended, iterator state or None].
-        self.load_states = None
+        self.exhausted_workers = set()  # workers whose last yielded batch exhausted their stream
+        self.states_at_exhaustion: dict = {}  # worker -> its (dataset, iterator) state then
+        # What each worker loads: [dataset state or None, exhausted, iterator state or None].
+        self.resume_states = None
         slots = max(1, self.num_workers)
         self.iterator_states = [None] * slots  # every epoch calls iter(dataset) anew
         if plan.worker_states is not None:
             its = plan.iterator_states or [None] * slots
-            self.load_states = [[ws, w in plan.exhausted, its[w]]
+            self.resume_states = [[ws, w in plan.exhausted_workers, its[w]]
                                 for w, ws in enumerate(plan.worker_states)]
-            self.exhausted = set(plan.exhausted)
+            self.exhausted_workers = set(plan.exhausted_workers)
             self.worker_states = list(plan.worker_states)
             self.iterator_states = list(its)
         elif fresh and self.num_workers > 0:
@@ -251,16 +251,16 @@ class IndexStream(Replay):
             if self.draws_base_seed and self.num_workers > 0:
                 self._draw_shared_seed(keep=False)  # so does torch's second draw
             if self.ships_state:  # the workers go on round-robin where they were
-                self.first_worker = state["next_worker"] % max(1, self.num_workers)
+                self.next_worker = state["next_worker"] % max(1, self.num_workers)
             if self.is_iterable:
                 if state.get("dataset_state") is not None:  # the library skips what was read
-                    self.first_worker = 0
+                    self.next_worker = 0
                     self.reread = state["dataset_state"].get("reread", 0)
                     self._next_pos = self.batches_yielded - self.reread
                 elif has_worker_state(state):
                     self._next_pos = self.batches_yielded
                 else:  # no state to restore: read the consumed batches again, and drop them
-                    self.first_worker = 0
+                    self.next_worker = 0
                     self.reread = self.batches_yielded
                 return
             self._next_pos = start
@@ -304,14 +304,14 @@ class IndexStream(Replay):
         """Record that the batch at ``pos`` goes to the user now; return the batch itself."""
         if type(data) is StatefulResult:
             self.record_yield(pos, indices, worker_id,
-                              data.state if self.ships_state else NO_STATE, data.ended,
+                              data.state if self.ships_state else NO_STATE, data.exhausted,
                               data.samples)
             return data.value
         self.record_yield(pos, indices, worker_id)
         return data
 
     def record_yield(self, pos: int, indices, worker_id: int = 0, worker_state=NO_STATE,
-                     ended: bool = False, samples=None) -> None:
+                     exhausted: bool = False, samples=None) -> None:
         if self.reread:  # a batch the checkpoint had already counted
             self.reread -= 1
             return
@@ -321,10 +321,10 @@ class IndexStream(Replay):
         if worker_state is not NO_STATE and worker_state is not None:
             self.worker_states[worker_id], self.iterator_states[worker_id] = worker_state
         if self.ships_state:
-            self.first_worker = (worker_id + 1) % len(self.worker_states)
+            self.next_worker = (worker_id + 1) % len(self.worker_states)
         if self.is_iterable:
-            if ended:
-                self.exhausted.add(worker_id)
+            if exhausted:
+                self.exhausted_workers.add(worker_id)
             return
         if pos == self.frontier:
             self.frontier += 1
@@ -347,18 +347,18 @@ class IndexStream(Replay):
         if not self.is_iterable:
             self.record_yield(pos, indices, worker_id)
 
-    def worker_ended(self, worker_id: int, state) -> None:
-        """A worker's stream ended; ``state``: its (dataset, iterator) state after the end."""
+    def worker_exhausted(self, worker_id: int, state) -> None:
+        """A worker's stream is exhausted; ``state``: its (dataset, iterator) state then."""
         if self.ships_state and state is not None:
-            self.end_states[worker_id] = state
+            self.states_at_exhaustion[worker_id] = state
 
     def finish(self) -> None:
-        """StopIteration: every worker's stream ended, and the user has seen all of it."""
+        """StopIteration: every worker's stream is exhausted, and the user has seen all of it."""
         self.finished = True
-        for worker_id, (state, it_state) in self.end_states.items():
+        for worker_id, (state, it_state) in self.states_at_exhaustion.items():
             self.worker_states[worker_id] = state
             self.iterator_states[worker_id] = it_state
-        self.end_states.clear()
+        self.states_at_exhaustion.clear()
 
     def at_end(self) -> bool:
         """Whether the epoch is over for the user: it finished, or (map-style, in

@@ -73,7 +73,9 @@ class MultiProcessIterator(BaseIterator):
                 "default is 2).")
         self._in_order = loader.in_order
         self._workers: list = []
-        self._workers_status: list[bool] = []  # per worker: False once its iterable has ended
+        # Per worker: True while it gets tasks this epoch, False once it reported
+        # IterableExhausted (its iterable stream has nothing left).
+        self._worker_active: list[bool] = []
         self._index_queues: list = []
         self._stack_pipes: list = []  # per worker: where it dumps its stacks on timeout
         self._pin_thread: PinMemoryThread | None = None
@@ -86,14 +88,14 @@ class MultiProcessIterator(BaseIterator):
         if self._stream.ships_state:  # batches may come with a dataset state or a short count
             self._unpacker = StatefulUnpacker(self._unpacker)
         self._receiver = ResultReceiver(self._result_queue, self._unpacker, self._stats,
-                                        self._workers, self._workers_status)
+                                        self._workers, self._worker_active)
         spec = WorkerSpec(
             is_iterable=self._is_iterable, dataset=self._dataset,
             auto_collation=self._auto_collation, collate_fn=self._collate_fn,
             drop_last=self._drop_last, base_seed=self._base_seed,
             worker_init_fn=loader.worker_init_fn, num_workers=self._num_workers,
             epoch=self._epoch, seed_per_batch=getattr(loader, "seed_per_batch", False),
-            main_pid=os.getpid(), resume_states=self._stream.load_states,
+            main_pid=os.getpid(), resume_states=self._stream.resume_states,
             ships_state=self._stream.ships_state, shared_seed=self._stream.shared_seed)
         self._spec = spec
         _live_iterators.add(self)
@@ -150,9 +152,9 @@ class MultiProcessIterator(BaseIterator):
         self._task_info: dict[int, tuple] = {}  # send_idx -> (worker_id, batch_index, indices)
         self._arrived: dict[int, Any] = {}      # send_idx -> batch that came back before its turn
         self._tasks_outstanding = 0
-        self._workers_status[:] = [True] * self._num_workers  # the receiver shares the list
+        self._worker_active[:] = [True] * self._num_workers  # the receiver shares the list
         self._workers_num_tasks = [0] * self._num_workers
-        first = self._stream.first_worker  # a resumed IterableDataset goes on round-robin
+        first = self._stream.next_worker  # a resumed IterableDataset goes on round-robin
         self._worker_cycle = itertools.cycle([*range(first, self._num_workers), *range(first)])
         if not first_iter:
             self._acks_pending = set(range(self._num_workers))
@@ -179,10 +181,10 @@ class MultiProcessIterator(BaseIterator):
             batch_index, indices = self._next_index()
         except StopIteration:
             return
-        active = sum(self._workers_status)
+        active = sum(self._worker_active)
         for _ in range(self._num_workers):
             worker_id = next(self._worker_cycle)
-            if not self._workers_status[worker_id]:
+            if not self._worker_active[worker_id]:
                 continue
             # Out of order, a slow worker must not hoard the whole budget.
             if self._in_order or self._workers_num_tasks[worker_id] < max_tasks // active:
@@ -204,7 +206,7 @@ class MultiProcessIterator(BaseIterator):
                      if wid == worker_id and send not in self._arrived]
         # torch's sentence names every worker it finds dead, in worker order.
         dead_pids = [w.pid for i, w in enumerate(self._workers)
-                     if i == worker_id or (self._workers_status[i] and not w.is_alive())]
+                     if i == worker_id or (self._worker_active[i] and not w.is_alive())]
         message = describe_dead_worker(worker_id, process.pid, process.exitcode, in_flight,
                                        dead_pids)
         if note:
@@ -274,13 +276,13 @@ class MultiProcessIterator(BaseIterator):
 
     def _next_data(self):
         while True:
-            # Skip tasks that will never be answered: their worker ended its
+            # Skip tasks that will never be answered: their worker exhausted its
             # iterable stream, or (in_order=False) they were already yielded.
             while self._rcvd_idx < self._send_idx:
                 if self._rcvd_idx in self._arrived:
                     break
                 info = self._task_info.get(self._rcvd_idx)
-                if info is not None and self._workers_status[info[0]]:
+                if info is not None and self._worker_active[info[0]]:
                     break
                 self._task_info.pop(self._rcvd_idx, None)
                 self._rcvd_idx += 1
@@ -302,8 +304,8 @@ class MultiProcessIterator(BaseIterator):
             send_idx, data = self._get_data()
             self._tasks_outstanding -= 1
             if isinstance(data, IterableExhausted):
-                self._stream.worker_ended(data.worker_id, data.state)
-                self._retire_worker(data.worker_id)
+                self._stream.worker_exhausted(data.worker_id, data.state)
+                self._on_worker_exhausted(data.worker_id)
                 self._try_put_index()
                 continue
             if send_idx != self._rcvd_idx:
@@ -315,9 +317,9 @@ class MultiProcessIterator(BaseIterator):
             self._rcvd_idx += 1
             return self._process_data(data, info)
 
-    def _retire_worker(self, worker_id: int) -> None:
-        """A worker's iterable stream ended: send it no more tasks this epoch."""
-        self._workers_status[worker_id] = False
+    def _on_worker_exhausted(self, worker_id: int) -> None:
+        """A worker reported IterableExhausted: send it no more tasks this epoch."""
+        self._worker_active[worker_id] = False
         if not self._persistent_workers:
             self._index_queues[worker_id].put(None)
 

@@ -38,19 +38,19 @@ DYING_SENDER_WAIT = 1.0  # how long a payload that failed to arrive may wait for
 class ResultReceiver:
     """The next result off the result queue, or the death of a worker that owes one."""
 
-    def __init__(self, result_queue, unpacker, stats, workers: list, workers_status: list):
+    def __init__(self, result_queue, unpacker, stats, workers: list, worker_active: list):
         self.result_queue = result_queue
         self.messages = MessageReader(result_queue._reader)
         self.unpacker = unpacker
         self.stats = stats
         self.workers = workers                # a restarted worker replaces its own entry
-        self.workers_status = workers_status  # False once a worker's iterable has ended
+        self.worker_active = worker_active  # False once a worker's iterable is exhausted
         self.pending: collections.deque = collections.deque()    # results read while restarting a worker
         self.stopped = False                  # the iterator is shutting down
 
     def watched_sentinels(self):
         return {w.sentinel: i for i, w in enumerate(self.workers)
-                if self.workers_status[i] and not self.stopped}
+                if self.worker_active[i] and not self.stopped}
 
     def receive(self, timeout: float):
         """One (send_idx, batch) from the result queue, or (False, None) on timeout.
@@ -82,8 +82,8 @@ class ResultReceiver:
         for sentinel in ready:
             worker_id = sentinels[sentinel]
             # The pin thread took its list of sentinels before it waited; a
-            # worker retired meanwhile (its iterable ended) exits on purpose.
-            if self.workers_status[worker_id] and not self.stopped:
+            # worker exhausted meanwhile (no more tasks this epoch) exits on purpose.
+            if self.worker_active[worker_id] and not self.stopped:
                 raise WorkerDied(worker_id)
         return False, None
 

@@ -38,8 +38,8 @@ class SingleProcessIterator(BaseIterator):
         self._make_fetcher()
 
     def _make_fetcher(self) -> None:
-        resume = self._stream.load_states
-        self._stream.load_states = None  # once: the dataset object keeps it from then on
+        resume = self._stream.resume_states
+        self._stream.resume_states = None  # once: the dataset object keeps it from then on
         if resume is not None and resume[0][0] is not None:
             self._dataset.load_state_dict(resume[0][0])
         self._fetcher = create_fetcher(self._is_iterable, self._dataset, self._auto_collation,
@@ -48,7 +48,7 @@ class SingleProcessIterator(BaseIterator):
         self._taker = (StateTaker(self._dataset, self._is_iterable)
                        if self._stream.ships_state else None)
         if resume is not None and resume[0][1]:
-            self._fetcher.ended = True  # its stream ended with the last batch yielded
+            self._fetcher.exhausted = True  # the last batch yielded exhausted its stream
         elif self._is_iterable:
             # torch calls the dataset's __iter__ when the iterator is made, so
             # an error from it is raised by iter(loader), not the first next().
@@ -83,17 +83,17 @@ class SingleProcessIterator(BaseIterator):
                 data = self._fetcher.fetch(indices)  # StopIteration ends an iterable
         except StopIteration:
             if self._taker is not None:  # the state its end left the dataset in
-                self._stream.worker_ended(0, take_state(self._taker, self._fetcher))
+                self._stream.worker_exhausted(0, take_state(self._taker, self._fetcher))
             raise
         except Exception:
             self._stream.record_failure(batch_index, indices)
             raise
-        state, ended = NO_STATE, False
+        state, exhausted = NO_STATE, False
         if self._taker is not None:  # the dataset's and its iterator's state after this batch
             state = take_state(self._taker, self._fetcher)
-            ended = getattr(self._fetcher, "ended", False)
+            exhausted = getattr(self._fetcher, "exhausted", False)
         if self._pin_memory:
             data = pin_memory(data, self._pin_memory_device)
         samples = self._fetcher.last_size if self._is_iterable else None
-        self._stream.record_yield(batch_index, indices, 0, state, ended, samples)
+        self._stream.record_yield(batch_index, indices, 0, state, exhausted, samples)
         return data

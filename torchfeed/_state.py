@@ -41,7 +41,7 @@ The format (version 1), plain values only, so it survives ``json`` and
      "iterator_states": [state | None, ...] | None, # per worker: its iter(dataset)'s state
      "dataset_state": {"library": str, "state": dict, "reread": int} | None,
                                     # a streaming library's state: _streaming_adapters.py
-     "exhausted_workers": [int, ...],  # their stream ended with the last batch yielded
+     "exhausted_workers": [int, ...],  # the last batch yielded exhausted their stream
      "next_worker": int,
      "next_epoch_global_rng": str | None,  # at an epoch's end: the global RNG at state_dict()
      "next_epoch_host_rng": {"numpy": str, "python": str} | None,  # and numpy's, Python's
@@ -116,8 +116,8 @@ from .distributed import rank_and_world_size
 class Plan:
     """What the next epoch started on a loader is: its number, and what to restore."""
 
-    __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted", "global_rng",
-                 "host_rng", "next", "iterator_states")
+    __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted_workers",
+                 "global_rng", "host_rng", "next", "iterator_states")
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__}
@@ -127,14 +127,14 @@ class Plan:
             setattr(self, name, value)
 
     def __init__(self, epoch: int, state=None, base_seed=None, worker_states=None,
-                 exhausted=(), global_rng=None, host_rng=None, next=None,
+                 exhausted_workers=(), global_rng=None, host_rng=None, next=None,
                  iterator_states=None) -> None:
         self.epoch = epoch
         self.state = state                  # a state whose epoch this one continues
         self.base_seed = base_seed          # persistent workers keep one base seed
         self.worker_states = worker_states  # dataset states to load first
         self.iterator_states = iterator_states  # loaded into what iter(dataset) returns
-        self.exhausted = exhausted          # workers with nothing left this epoch
+        self.exhausted_workers = exhausted_workers  # workers with nothing left this epoch
         self.global_rng = global_rng        # a new epoch's draws come from this global RNG
         self.host_rng = host_rng            # and from these numpy / Python global RNGs
         # A state with every batch yielded, for a sampler with set_epoch: the plan
@@ -265,8 +265,8 @@ def state_dict(loader) -> dict:
     state["worker_states"] = [check(w) for w in s.worker_states] if s.ships_state else None
     state["iterator_states"] = ([check(w) for w in s.iterator_states] if s.ships_state
                                 else None)
-    state["exhausted_workers"] = sorted(s.exhausted) if s.exhausted else []
-    state["next_worker"] = s.first_worker
+    state["exhausted_workers"] = sorted(s.exhausted_workers) if s.exhausted_workers else []
+    state["next_worker"] = s.next_worker
     # Only a state at the end of an epoch pays for the encoding; a state inside an
     # epoch replays that epoch from epoch_start_rng instead.
     at_end = s.at_end()
@@ -351,7 +351,7 @@ def _plan(loader, probe: IndexStream, state: dict) -> Plan:
                               or not has_worker_state(state)):
         return Plan(epoch, state=state)  # the library skips, or the loader re-reads
     return Plan(epoch, state=state, worker_states=state["worker_states"],
-                exhausted=tuple(state["exhausted_workers"]),
+                exhausted_workers=tuple(state["exhausted_workers"]),
                 iterator_states=state["iterator_states"])
 
 
@@ -381,7 +381,7 @@ class StatefulUnpacker:
     def unpack(self, payload):
         if type(payload) is StatefulResult:
             return StatefulResult(self._inner.unpack(payload.value), payload.state,
-                                   payload.ended, payload.samples)
+                                   payload.exhausted, payload.samples)
         return self._inner.unpack(payload)
 
     def discard(self, payload) -> None:

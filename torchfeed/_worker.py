@@ -75,7 +75,7 @@ class ResumeIteration:
 @dataclass
 class IterableExhausted:
     worker_id: int
-    state: Any = None  # its (dataset, iterator) state once its stream ended
+    state: Any = None  # its (dataset, iterator) state once its stream is exhausted
 
 
 @dataclass
@@ -92,7 +92,7 @@ class WorkerSpec:
     epoch: int
     seed_per_batch: bool
     main_pid: int
-    # A resume: each worker loads its [dataset state, ended, iterator state]
+    # A resume: each worker loads its [dataset state, exhausted, iterator state]
     # entry (the dataset's before iterating, the iterator's after iter()).
     resume_states: list | None = None
     ships_state: bool = False  # send the (dataset, iterator) state with every batch
@@ -243,7 +243,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                              collate_fn, spec.drop_last,
                              iterator_state=resume[2] if resume is not None else None)
     if resume is not None and resume[1]:
-        fetcher.ended = True  # its stream ended with the last batch the user got
+        fetcher.exhausted = True  # the last batch the user got exhausted its stream
     taker = StateTaker(dataset, spec.is_iterable) if spec.ships_state else None
     exhausted = False
     results = ResultWriter(result_queue)
@@ -278,7 +278,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
                 results.put((task, worker_id, None, 0.0))
                 continue
             if exhausted:
-                continue  # the main process stops sending once it hears we ended
+                continue  # the main process stops sending once it hears we are exhausted
             start = time.perf_counter()
             if init_failure is not None:
                 payload, init_failure = init_failure.answering(task.indices, task.batch_index), None
@@ -303,7 +303,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     finally:
         # Let the feeder thread finish writing and release the queue's write
         # lock, shared by all workers, before this process exits.  A worker
-        # retired mid-epoch (its iterable ended) that exited while its feeder
+        # exhausted mid-epoch (its iterable had nothing left) that exited while its feeder
         # still held the lock would leave every other worker unable to send,
         # and the main process waiting forever.  The flush cannot hang for
         # good: if the main process is gone the watchdog ends us, and if it is
@@ -344,5 +344,5 @@ def _run_task(task: Task, fetcher, taker, spec: WorkerSpec, worker_id: int, epoc
     if state is not None and state[0] is None and state[1] is None:
         state = None  # nothing Stateful here: the batch goes unwrapped, as without state
     if (spec.ships_state and state is not None) or short is not None:
-        return StatefulResult(payload, state, getattr(fetcher, "ended", False), short)
+        return StatefulResult(payload, state, getattr(fetcher, "exhausted", False), short)
     return payload
