@@ -8,15 +8,17 @@ OUT_DIR/rank{RANK}.json: the sample ids of each batch for torch's loader
 through ``accelerator.prepare`` (the reference), for a torchfeed loader through
 ``torchfeed.prepare(accelerator.prepare, loader)``, and for a fresh loader that
 ``accelerator.load_state`` resumed from a ``save_state`` taken mid-epoch; plus
-what the prepared loader iterated with and its ``stats()``.
+what the prepared loader iterated with and its ``stats()``; and the warnings
+``torchfeed.prepare`` gives under ``dispatch_batches=True``.
 """
 import faulthandler
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data import Dataset
 
@@ -78,6 +80,13 @@ def main(out: Path) -> None:
     _, resumed = prepared(accelerator2, torchfeed.DataLoader, seed=99)
     accelerator2.load_state(str(out / "ckpt"))
     result["resumed"] = [ids(b) for b in resumed]
+
+    dispatching = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+        dispatch_batches=True))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        prepared(dispatching, torchfeed.DataLoader, seed=7)
+    result["dispatch_warnings"] = [str(w.message) for w in record]
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     accelerator.wait_for_everyone()
 

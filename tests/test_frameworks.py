@@ -49,10 +49,10 @@ def new_accelerator():
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
-    def make():
+    def make(**kwargs):
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-        return Accelerator(cpu=True)
+        return Accelerator(cpu=True, **kwargs)
 
     yield make
     AcceleratorState._reset_state(True)
@@ -118,6 +118,39 @@ def test_accelerate_stateful_dataloader_option_warns_and_keeps_torchfeed(fresh_w
         GradientState._reset_state()
 
 
+@pytest.mark.timeout(90)
+def test_accelerate_dispatch_batches_keeps_torchfeed_and_resumes(new_accelerator, tmp_path):
+    """DataLoaderConfiguration(dispatch_batches=True): Accelerate's DataLoaderDispatcher."""
+    from accelerate import DataLoaderConfiguration
+
+    def dispatching():
+        return new_accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+
+    _, theirs = _through_accelerate(dispatching(), TorchLoader, seed=5)
+    assert type(theirs).__name__ == "DataLoaderDispatcher"
+    expected = ids(theirs)
+
+    accelerator = dispatching()
+    loader, ours = _through_accelerate(accelerator, torchfeed.DataLoader, seed=5)
+    assert type(ours).__name__ == "DataLoaderDispatcher"
+    assert type(ours.base_dataloader) is torchfeed.DataLoader
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one process: nothing to warn about
+        got = []
+        for step, batch in enumerate(ours):
+            got.append(batch.flatten().tolist())
+            if step == 2:
+                accelerator.save_state(str(tmp_path / "ckpt"))
+    assert got == expected
+    assert loader.stats()["batches_yielded"] == len(expected)
+
+    accelerator = dispatching()
+    _, resumed = _through_accelerate(accelerator, torchfeed.DataLoader, seed=98)
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert resumed.state_dict()["batches_yielded"] == 3
+    assert ids(resumed) == expected[3:]
+
+
 # -- Accelerate, two processes (torchrun, gloo) ----------------------------------------
 def _launch(cmd, timeout):
     return launch_in_own_session(cmd, timeout)
@@ -138,6 +171,9 @@ def test_accelerate_two_processes_keep_torchfeed_and_resume(tmp_path):
         assert result["stats"] == [len(result["torch"]), "shm", len(result["torch"])]
         assert result["devices"][0] == ["cpu"] and result["devices"][1].startswith("cpu")
         assert result["resumed"] == result["torch"][2:]
+        # dispatch_batches=True: only process 0 iterates, so save_state cannot be exact
+        assert len(result["dispatch_warnings"]) == 1
+        assert "dispatch_batches=False" in result["dispatch_warnings"][0]
     # the shards split the shuffled epoch: every sample once, evened out by wrapping
     seen = sorted(i for result in ranks for batch in result["torch"] for i in batch)
     assert set(seen) == set(range(38)) and len(seen) == 40

@@ -20,7 +20,10 @@ Accelerate's ``DataLoaderShard`` snapshots it itself, and Ray's wrapper is fed
 through :class:`_Lookahead`, which snapshots it the same way (also when Ray kept
 a loader that already had a ``DistributedSampler``).  Accelerate's
 ``use_stateful_dataloader`` builds torchdata's loader and takes its state first,
-drawing from the RNG; that loader is replaced too, with a warning.
+drawing from the RNG; that loader is replaced too, with a warning.  Under
+``dispatch_batches=True`` (Accelerate's ``DataLoaderDispatcher``) the same swap
+holds, exact in one process; with several processes only process 0 iterates,
+and a warning says that the saved position is not exact there.
 
 Where the framework's product is not recognised, the framework's loader runs
 and a warning names the supported way.  ``frameworks_warning`` covers the other
@@ -29,6 +32,7 @@ silent loss: a ``state_dict()`` of a loader that a framework replaced without
 """
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 
@@ -137,12 +141,38 @@ def _install(holder, slot, engine) -> None:
         # Accelerate's adapter: its state_dict() is the snapshot it takes before each
         # look-ahead (exact), and save_state/load_state include loaders that say
         # use_stateful_dataloader.  Its snapshot starts as the fresh loader's state.
-        holder.dl_state_dict = engine.state_dict()
+        holder.dl_state_dict = engine._own_state_dict()  # not iterated yet, and not to warn so
         holder.use_stateful_dataloader = True
         engine._framework_snapshot = weakref.ref(holder)
         setattr(holder, slot, engine)
+        _dispatched_to_several(holder)
     else:
         setattr(holder, slot, _Lookahead(engine))
+
+
+def _dispatched_to_several(holder) -> None:
+    """Warn when Accelerate's ``DataLoaderDispatcher`` serves several processes.
+
+    With ``dispatch_batches=True`` process 0 alone iterates the loader and
+    broadcasts slices of its batches; the loaders of the other processes never
+    move.  ``save_state`` has every process write the same loader file, so the
+    position saved may be another process's (the start of the epoch), and process
+    0's own snapshot counts the batches it read ahead for the next step.  In one
+    process the dispatcher reads one batch ahead and snapshots before it, so the
+    state is exact there.
+    """
+    dispatcher = getattr(sys.modules.get("accelerate.data_loader"), "DataLoaderDispatcher", None)
+    if dispatcher is None or not isinstance(holder, dispatcher):
+        return
+    if holder.state.num_processes > 1:
+        _warn_once("dispatch", (
+            "torchfeed.prepare(): Accelerate's dispatch_batches=True runs the loader on "
+            "process 0 only and broadcasts its batches, so accelerator.save_state() cannot "
+            "record where the loader is (every process writes the loader file; the others' "
+            "loaders never move) and load_state() does not resume this epoch exactly. To "
+            "resume exactly, use Accelerator(dataloader_config=DataLoaderConfiguration("
+            "dispatch_batches=False)): each process then runs its own torchfeed loader on "
+            "its shard."))
 
 
 class _Lookahead:
@@ -212,4 +242,4 @@ def loaded(loader) -> None:
     snapshot = loader.__dict__.get("_framework_snapshot")
     holder = snapshot() if snapshot is not None else None
     if holder is not None:  # Accelerate's adapter would report its stale snapshot until iter()
-        holder.dl_state_dict = loader.state_dict()
+        holder.dl_state_dict = loader._own_state_dict()
