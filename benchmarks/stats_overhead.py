@@ -71,7 +71,7 @@ def _compare(make_iterator, calls: int, runs: int):
 
 def _on_result_cost(calls: int, runs: int) -> float:
     loader = DataLoader(list(range(8)), batch_size=None, num_workers=0)
-    stats = iter(loader)._stats
+    stats = iter(loader).hand_over()
     stats.worker_batches, stats.worker_busy = [0], [0.0]  # as for one worker
     on_result = stats.on_result
 

@@ -99,6 +99,23 @@ class BaseIterator:
         self._IterableDataset_len_called = loader._IterableDataset_len_called
         self._start_stream()
 
+    # -- what the loader and the stats ask ----------------------------------
+    def hand_over(self) -> IteratorStats:
+        """``iter(loader)`` gives this iterator to the user now: wall time starts
+        here.  Returns the stats, which the loader keeps instead of the iterator,
+        so that asking for stats keeps no worker alive."""
+        self._stats.start_clock()  # counts began before any task
+        return self._stats
+
+    @property
+    def shut_down(self) -> bool:
+        """Whether the workers were stopped (an error, the end of an epoch
+        without persistent workers, or the iterator dropped); never here."""
+        return False
+
+    def shutdown(self) -> None:
+        """Stop the workers, if any: a loaded state replaces this iterator."""
+
     # -- the iterator protocol ---------------------------------------------
     def __iter__(self):
         return self

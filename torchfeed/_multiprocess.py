@@ -42,11 +42,12 @@ from ._errors import WorkerFailure, describe_dead_worker, describe_samples
 from ._iterator_base import BaseIterator
 from ._pin_memory import PinMemoryThread, pass_through_requested
 from ._pipe_reader import WAIT_SLICE
-from ._processes import close_queue, launch_worker, stop_workers
+from ._processes import close_queue, launch_worker, launched_at, stop_workers
 from ._receive import ResultReceiver
 from ._restart import RestartBudget, WorkerDied, handle_worker_death
 from ._stack_dump import collect_dumps, describe_timeout
 from ._state import StatefulUnpacker
+from ._stats import LiveCounts
 from ._transport import create_channel
 from ._worker import IterableExhausted, ResumeIteration, Task, WorkerSpec
 
@@ -332,13 +333,34 @@ class MultiProcessIterator(BaseIterator):
             data.reraise()
         return self._stream.yielded(data, batch_index, indices, worker_id)
 
+    def live_counts(self) -> LiveCounts:
+        """What the stats read when asked (``_stats.py``): workers, queues, slots, pin time."""
+        pin = self._pin_thread
+        in_flight = ready = 0
+        if not self.shut_down:
+            pinned = pin.out.qsize() if pin is not None else 0
+            in_flight = max(0, self._tasks_outstanding - pinned)
+            ready = len(self._arrived) + pinned
+        read_slots = getattr(self._unpacker, "stats", None)  # a transport may keep none
+        try:
+            slots = {} if read_slots is None else (read_slots() or {})
+        except Exception:  # statistics must never break the loop; the last figures stand
+            slots = None
+        return LiveCounts(pids=[w.pid for w in self._workers],
+                          launched=[launched_at(w) for w in self._workers],
+                          pin_busy_seconds=None if pin is None else pin.busy_seconds,
+                          in_flight=in_flight, ready=ready, slots=slots)
+
     # -- shutdown ---------------------------------------------------------------
     @property
-    def _shutdown(self) -> bool:
+    def shut_down(self) -> bool:
         return self._receiver.stopped
 
+    def shutdown(self) -> None:
+        self._shutdown_workers()
+
     def _shutdown_workers(self) -> None:
-        if self._shutdown:
+        if self.shut_down:
             return
         self._stats.last_look()  # the workers' memory, while they are still there
         self._receiver.stopped = True

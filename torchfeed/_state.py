@@ -303,9 +303,7 @@ def load_state_dict(loader, state) -> None:
     # A persistent iterator still alive belongs to the old position.
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None:
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        iterator.shutdown()
         loader._iterator = None
     if state["dataset_state"] is not None:  # validated: this loader has the same library
         book.adapter.load(state["dataset_state"]["state"])

@@ -1,4 +1,4 @@
-"""Live loader statistics and the periodic log line.
+"""Live loader statistics: the counters an iterator keeps for the current epoch.
 
 Every iterator owns one ``IteratorStats``.  The hot path touches it twice per
 batch, and only with float and int arithmetic:
@@ -12,8 +12,10 @@ batch, and only with float and int arithmetic:
 
 Everything else (queue depths, shared-memory slots, the pin-memory thread's
 time, fractions) is read only when someone asks: ``DataLoader.stats()`` or the
-log line.  The stats object holds the iterator through a weak reference, so
-asking for stats never keeps workers alive.
+log line.  The iterator says what is live in one call, ``live_counts()``
+(a ``LiveCounts``); the stats object holds the iterator through a weak
+reference, so asking for stats never keeps workers alive.  What the figures
+say in words (``str()``, the verdict, the log line) is ``_stats_report.py``'s.
 
 Counters restart at each epoch of a persistent-workers loader (``begin``,
 before the epoch's first task is sent) and the clock when ``iter(loader)``
@@ -41,19 +43,25 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import sys
 import weakref
 from time import monotonic, perf_counter
+from typing import NamedTuple
 
 from . import _worker_costs
-from ._processes import launched_at
-from ._transport._space import human
+from ._stats_report import LoaderStats, log_line, make_visible
 
 logger = logging.getLogger("torchfeed")
 
-STALL_WARN = 0.10   # stall fractions above this are called data-bound in str()
-BUSY_SATURATED = 0.80
-START_DOMINATES = 0.5  # worker start-up above this share of the epoch is called out
+
+class LiveCounts(NamedTuple):
+    """What a multi-process iterator has live when its stats ask (``live_counts()``)."""
+
+    pids: list[int | None]              # each worker's pid
+    launched: list[float | None]        # when each worker was launched (``monotonic()``)
+    pin_busy_seconds: float | None      # the pin-memory thread's busy time so far; None without one
+    in_flight: int                      # tasks sent whose batch has not come back
+    ready: int                          # batches back, waiting for their turn or the user
+    slots: dict | None                  # the transport's ``stats()`` ({} if it has none); None if it failed
 
 
 class IteratorStats:
@@ -77,7 +85,10 @@ class IteratorStats:
         self.limit = (loader.prefetch_factor or 0) * self.num_workers
         self.persistent = bool(loader.persistent_workers)
         self._live = _idle_live(self.num_workers)
-        self.begin(epoch)
+        self._uss_start = {}  # kept across a persistent iterator's epochs
+        # The iterator is still being built: nothing of it is live to read yet.
+        self._zero(epoch, pin_base=0.0)
+        self._start_clock(None)
 
     # -- the hot path -------------------------------------------------------
     def on_yield(self, t0: float) -> None:
@@ -123,9 +134,13 @@ class IteratorStats:
         memory, the pin thread counts results as they arrive (``on_result``), and
         a reset after the first task went out could drop a batch already counted.
         """
-        it = self._iterator()
-        pin = getattr(it, "_pin_thread", None)
-        self._pin_base = pin.busy_seconds if pin is not None else 0.0
+        counts = self._live_counts()
+        pin_busy = counts.pin_busy_seconds if counts is not None else None
+        self._zero(epoch, pin_base=pin_busy if pin_busy is not None else 0.0)
+        self._start_clock(counts)
+
+    def _zero(self, epoch: int, pin_base: float) -> None:
+        self._pin_base = pin_base
         self.epoch = epoch
         self.wait = 0.0
         self.yielded = 0
@@ -137,13 +152,14 @@ class IteratorStats:
         # worker's start belongs to the epoch that launched it.
         self._begun = monotonic()
         self._starts = {}
-        if getattr(self, "_uss_start", None) is None:
-            self._uss_start = {}  # kept across a persistent iterator's epochs
-        self.start_clock()
 
     def start_clock(self) -> None:
         """Wall time starts here: when ``iter(loader)`` hands the iterator over."""
-        self._read_live()  # worker pids, while the iterator is surely alive
+        self._start_clock(self._live_counts())  # worker pids, while the iterator is surely alive
+
+    def _start_clock(self, counts: LiveCounts | None) -> None:
+        if counts is not None:
+            self._take_live(counts)
         self.start = perf_counter()
         self._start_mono = monotonic()
         self._window = (self.start, 0.0, 0)
@@ -157,28 +173,25 @@ class IteratorStats:
         self._live = {**self._live, "queues": (0, 0)}  # nothing is in flight any more
 
     # -- reading ---------------------------------------------------------------
-    def _read_live(self) -> dict:
-        """Queue depths, slots and pin time from the iterator, if it is still alive."""
+    def _live_counts(self) -> LiveCounts | None:
+        """The iterator's ``live_counts()``; None once it is gone, or without workers."""
         it = self._iterator()
         if it is None or self.num_workers == 0:
-            return self._live
-        pin = getattr(it, "_pin_thread", None)
-        workers = list(getattr(it, "_workers", ()))
-        live = {"pids": [getattr(w, "pid", None) for w in workers],
-                "launched": [launched_at(w) for w in workers],
-                "pin": None if pin is None else pin.busy_seconds - self._pin_base}
-        if getattr(it, "_shutdown", False):
-            live["queues"] = (0, 0)
-        else:
-            try:
-                pinned = pin.out.qsize() if pin is not None else 0
-            except (AttributeError, NotImplementedError):
-                pinned = 0
-            outstanding = getattr(it, "_tasks_outstanding", 0)
-            live["queues"] = (max(0, outstanding - pinned),
-                              len(getattr(it, "_arrived", ())) + pinned)
-        live["shm"] = _shm_stats(getattr(it, "_unpacker", None), self._live["shm"])
-        live["uss"] = self._live.get("uss", [None] * self.num_workers)
+            return None
+        return it.live_counts()
+
+    def _read_live(self) -> dict:
+        """Queue depths, slots and pin time from the iterator, if it is still alive."""
+        counts = self._live_counts()
+        return self._live if counts is None else self._take_live(counts)
+
+    def _take_live(self, counts: LiveCounts) -> dict:
+        pin = counts.pin_busy_seconds
+        live = {"pids": list(counts.pids), "launched": list(counts.launched),
+                "pin": None if pin is None else pin - self._pin_base,
+                "queues": (counts.in_flight, counts.ready),
+                "shm": _shm_stats(counts.slots, self._live["shm"]),
+                "uss": self._live.get("uss", [None] * self.num_workers)}
         self._live = live
         return live
 
@@ -211,7 +224,7 @@ class IteratorStats:
         return uss - start
 
     def _check_memory(self) -> None:
-        if _worker_costs._warned:
+        if _worker_costs.growth_warned():
             return
         try:
             self._read_live()
@@ -226,7 +239,7 @@ class IteratorStats:
         # so those are read as close to the return as they can be.
         # Read while the workers are there: during an epoch, and between the
         # epochs of persistent workers.
-        workers_alive = it is not None and not getattr(it, "_shutdown", False)
+        workers_alive = it is not None and not it.shut_down
         uss = (self._read_memory() if self.num_workers and workers_alive
                else list(self._live.get("uss") or []))
         live = self._read_live() if self.end is None else self._live
@@ -250,7 +263,7 @@ class IteratorStats:
             self._starts, live.get("launched") or [], self._begun,
             now + self._start_mono - self.start, self.num_workers)  # perf_counter to monotonic
         in_flight, ready = live["queues"]
-        running = it is not None and self.end is None and not getattr(it, "_shutdown", False)
+        running = it is not None and self.end is None and not it.shut_down
         return LoaderStats(
             state="running" if running else "finished", epoch=self.epoch, num_workers=self.num_workers,
             transport=self.transport,
@@ -270,19 +283,11 @@ class IteratorStats:
     # -- the log line ------------------------------------------------------------
     def _log(self, now: float) -> None:
         try:
-            _make_visible()
+            make_visible()
             s = self.snapshot()
             t_prev, wait_prev, n_prev = self._window
             self._window = (now, self.wait, self.yielded)
-            window = max(now - t_prev, 1e-9)
-            logger.info(
-                "%d batches | data stall %.1f%% (last %d: %.1f%%) | %.1f batches/s"
-                " | slowest %s | in flight %d, ready %d%s",
-                s["batches_yielded"], 100 * s["stall_fraction"], self.yielded - n_prev,
-                100 * min(1.0, (self.wait - wait_prev) / window),
-                (self.yielded - n_prev) / window, _slowest(s),
-                s["queues"]["in_flight"], s["queues"]["ready"],
-                f" | {start_advice(s)}" if starting_dominates(s) else "")
+            log_line(s, self.yielded - n_prev, self.wait - wait_prev, max(now - t_prev, 1e-9))
         except Exception:  # statistics must never break the training loop
             logger.warning("torchfeed: could not write the stats log line", exc_info=True)
 
@@ -295,96 +300,6 @@ class FrozenStats:
 
     def snapshot(self) -> LoaderStats:
         return LoaderStats(copy.deepcopy(self._stats))
-
-
-class LoaderStats(dict):
-    """``DataLoader.stats()``: a plain dict whose ``str()`` is a readable summary."""
-
-    def __str__(self) -> str:
-        s = self
-        n = s["num_workers"]
-        head = (f"torchfeed loader stats: epoch {s['epoch']}, "
-                + (f"{n} workers, transport {s['transport']}" if n else "num_workers=0 (loading in the main process)")
-                + ("" if s["state"] == "running" else f", {s['state']}"))
-        rate = s["batches_yielded"] / s["wall_seconds"] if s["wall_seconds"] else 0.0
-        lines = [
-            head,
-            f"  batches yielded     {s['batches_yielded']} in {s['wall_seconds']:.2f} s "
-            f"({rate:.1f} batches/s)",
-            f"  data stall          {100 * s['stall_fraction']:.1f}% "
-            f"(blocked in __next__ {s['wait_seconds']:.2f} s)",
-            f"  {'worker':<8}{'pid':>9}{'batches':>10}{'busy':>8}{'ms/batch':>11}",
-        ]
-        for w in s["workers"]:
-            name = "main" if n == 0 else str(w["id"])
-            mean = "-" if w["mean_fetch_seconds"] is None else f"{1000 * w['mean_fetch_seconds']:.1f}"
-            lines.append(f"  {name:<8}{w['pid'] or '-':>9}{w['batches']:>10}"
-                         f"{100 * w['busy_fraction']:>7.0f}%{mean:>11}")
-        if n:
-            q, m = s["queues"], s["shm"]
-            lines.append(f"  queues              in flight {q['in_flight']}, ready {q['ready']} "
-                         f"(prefetch limit {q['limit']})")
-            if m["slots"]:
-                in_use_bytes = ("" if m["in_use_bytes"] is None
-                                else f", {human(m['in_use_bytes'])} in use")
-                lines.append(f"  shared memory       {m['in_use']} of {m['slots']} slots in use, "
-                             f"{human(m['bytes'])} allocated{in_use_bytes}")
-            else:
-                lines.append("  shared memory       no slots")
-            if s["pin_thread_busy_seconds"] is not None:
-                lines.append(f"  pin-memory thread   {s['pin_thread_busy_seconds']:.2f} s busy")
-            if s.get("worker_start_seconds") is not None:
-                lines.append(f"  worker start        {s['worker_start_seconds']:.2f} s "
-                             f"({100 * s['worker_start_fraction']:.0f}% of the epoch)")
-            grown = [w for w in s["workers"] if w.get("uss_bytes") is not None]
-            if grown:
-                lines.append("  worker memory (USS) " + ", ".join(
-                    f"{'main' if n == 0 else w['id']}: {human(w['uss_bytes'])}"
-                    + ("" if w["uss_growth_bytes"] is None
-                       else f" ({'+' if w['uss_growth_bytes'] >= 0 else '-'}"
-                            f"{human(abs(w['uss_growth_bytes']))} since start)")
-                    for w in grown))
-        lines.append(f"  verdict             {verdict(s)}")
-        return "\n".join(lines)
-
-
-def verdict(s) -> str:
-    if s["batches_yielded"] == 0:
-        return "no batches yet"
-    if starting_dominates(s):
-        return start_advice(s)
-    stall = s["stall_fraction"]
-    if stall < STALL_WARN:
-        return (f"not data-bound: the loop waited on data {100 * stall:.0f}% of the time")
-    if s["num_workers"] == 0:
-        return (f"data-bound: loading takes {100 * stall:.0f}% of the time in the main process; "
-                "try num_workers > 0")
-    busy = min(w["busy_fraction"] for w in s["workers"])
-    if busy >= BUSY_SATURATED:
-        return (f"data-bound: the loop waited {100 * stall:.0f}% of the time and every worker "
-                "is busy; add workers or make __getitem__/collate_fn cheaper")
-    return (f"data-bound: the loop waited {100 * stall:.0f}% of the time and the least busy "
-            f"worker was idle {100 * (1 - busy):.0f}% of it; raise prefetch_factor or look at the "
-            "main process (transport, pinning). Short runs also count worker start-up")
-
-
-def starting_dominates(s) -> bool:
-    """Starting workers took most of an epoch the loop waited on."""
-    fraction = s.get("worker_start_fraction")
-    return (fraction is not None and fraction >= START_DOMINATES
-            and s["stall_fraction"] >= STALL_WARN)
-
-
-def start_advice(s) -> str:
-    text = (f"starting workers took {s['worker_start_seconds']:.2f} s, "
-            f"{100 * s['worker_start_fraction']:.0f}% of this epoch")
-    if s.get("persistent_workers"):
-        return text + "; with persistent_workers=True only the first epoch pays it"
-    return text + "; pass persistent_workers=True to start them once instead of at every epoch"
-
-
-def running_now(it, stats) -> bool:
-    return it is not None and stats.end is None and not getattr(it, "_shutdown", False)
 
 
 def empty_stats(loader) -> LoaderStats:
@@ -411,47 +326,12 @@ def _idle_live(num_workers: int) -> dict:
             "uss": [None] * num_workers}
 
 
-def _shm_stats(unpacker, last: dict) -> dict:
-    """Slots from the transport's ``stats()``, if it has one; zeros otherwise."""
-    read = getattr(unpacker, "stats", None)
-    if read is None:
-        return dict(_NO_SHM)
-    try:
-        raw = read() or {}
-    except Exception:
+def _shm_stats(raw: dict | None, last: dict) -> dict:
+    """Slots from the transport's ``stats()`` (``LiveCounts.slots``): zeros for none,
+    the last figures if reading failed."""
+    if raw is None:
         return last
     if raw.get("closed"):
         return {**_NO_SHM, "slots": last["slots"], "bytes": last["bytes"]}
     return {"slots": int(raw.get("slots", 0)), "in_use": int(raw.get("in_use", 0)),
             "bytes": int(raw.get("bytes", 0)), "in_use_bytes": raw.get("in_use_bytes")}
-
-
-def _slowest(s) -> str:
-    timed = [w for w in s["workers"] if w["mean_fetch_seconds"] is not None]
-    if not timed:
-        return "worker: none yet"
-    w = max(timed, key=lambda w: w["mean_fetch_seconds"])
-    name = "main" if s["num_workers"] == 0 else str(w["id"])
-    return (f"worker {name}: {1000 * w['mean_fetch_seconds']:.1f} ms/batch, "
-            f"{100 * w['busy_fraction']:.0f}% busy")
-
-
-_visible = False
-
-
-def _make_visible() -> None:
-    """The user asked for the line: make sure it is not dropped by default.
-
-    Only what the user has not decided is touched: the ``torchfeed`` logger's
-    level when it is unset, and a stderr handler when no logging is configured
-    anywhere (where Python would otherwise print only warnings)."""
-    global _visible
-    if _visible:
-        return
-    _visible = True
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
-    if not logger.hasHandlers():
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("torchfeed: %(message)s"))
-        logger.addHandler(handler)

@@ -20,7 +20,7 @@ import torch.utils.data
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._progress import Progress
-from ._stats import START_DOMINATES
+from ._stats_report import START_DOMINATES
 from .bench.measure import cpu_count, time_loader
 
 # Within this fraction of the best, fewer workers (less memory, fewer

@@ -59,6 +59,11 @@ def start_span(starts: dict, launched: list, begun: float, now: float, num_worke
     return max(b for _, b in spans) - first, now - first
 
 
+def growth_warned() -> bool:
+    """Whether this process has logged the copy-on-read warning already."""
+    return _warned
+
+
 def check_growth(growth: list, uss: list) -> None:
     """Log the copy-on-read warning, once per process, for the first worker
     that grew past ``USS_GROWTH_WARN``."""

@@ -22,7 +22,8 @@ from ._iterator_base import BaseIterator
 from ._multiprocess import MultiProcessIterator
 from ._options import resolve_log_every, resolve_transport, validate_max_worker_restarts, validate_options
 from ._single_process import SingleProcessIterator
-from ._stats import LoaderStats, empty_stats
+from ._stats import empty_stats
+from ._stats_report import LoaderStats
 from .frameworks import frameworks_warning, loaded
 
 T_co = TypeVar("T_co", covariant=True)
@@ -85,15 +86,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def __iter__(self):
         kept = self.__dict__.get("_iterator")
-        if kept is not None and getattr(kept, "_shutdown", False):
+        if kept is not None and kept.shut_down:
             # A persistent iterator whose workers were stopped by an error (a
             # worker died, the pin thread failed) that the user caught: torch
             # would re-raise that error at every later iter(); start fresh workers.
             self._iterator = None
         with _state.starting(self):
             iterator = cast(BaseIterator, super().__iter__())  # torch's __iter__ returns our _get_iterator's
-        iterator._stats.start_clock()  # when the user has it; counts began before any task
-        self._stats_source = iterator._stats    # not the iterator: stats keep no worker alive
+        self._stats_source = iterator.hand_over()  # the stats, not the iterator: no worker kept alive
         return iterator
 
     def stats(self) -> LoaderStats:

@@ -1,0 +1,152 @@
+"""What loader statistics say in words: ``str(DataLoader.stats())``, the
+verdict, and the periodic log line.
+
+The counters behind them are ``_stats.py``'s; this module only reads a
+``LoaderStats`` dict (``IteratorStats.snapshot()``) and writes text: the
+summary table, the one-line verdict (data-bound or not, and what to try), the
+call-out when starting workers took most of an epoch (which the tuner's notes
+use too), and the ``log_every`` line through ``logging.getLogger("torchfeed")``.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from ._transport._space import human
+
+logger = logging.getLogger("torchfeed")
+
+STALL_WARN = 0.10   # stall fractions above this are called data-bound in str()
+BUSY_SATURATED = 0.80
+START_DOMINATES = 0.5  # worker start-up above this share of the epoch is called out
+
+
+class LoaderStats(dict):
+    """``DataLoader.stats()``: a plain dict whose ``str()`` is a readable summary."""
+
+    def __str__(self) -> str:
+        s = self
+        n = s["num_workers"]
+        head = (f"torchfeed loader stats: epoch {s['epoch']}, "
+                + (f"{n} workers, transport {s['transport']}" if n else "num_workers=0 (loading in the main process)")
+                + ("" if s["state"] == "running" else f", {s['state']}"))
+        rate = s["batches_yielded"] / s["wall_seconds"] if s["wall_seconds"] else 0.0
+        lines = [
+            head,
+            f"  batches yielded     {s['batches_yielded']} in {s['wall_seconds']:.2f} s "
+            f"({rate:.1f} batches/s)",
+            f"  data stall          {100 * s['stall_fraction']:.1f}% "
+            f"(blocked in __next__ {s['wait_seconds']:.2f} s)",
+            f"  {'worker':<8}{'pid':>9}{'batches':>10}{'busy':>8}{'ms/batch':>11}",
+        ]
+        for w in s["workers"]:
+            name = "main" if n == 0 else str(w["id"])
+            mean = "-" if w["mean_fetch_seconds"] is None else f"{1000 * w['mean_fetch_seconds']:.1f}"
+            lines.append(f"  {name:<8}{w['pid'] or '-':>9}{w['batches']:>10}"
+                         f"{100 * w['busy_fraction']:>7.0f}%{mean:>11}")
+        if n:
+            q, m = s["queues"], s["shm"]
+            lines.append(f"  queues              in flight {q['in_flight']}, ready {q['ready']} "
+                         f"(prefetch limit {q['limit']})")
+            if m["slots"]:
+                in_use_bytes = ("" if m["in_use_bytes"] is None
+                                else f", {human(m['in_use_bytes'])} in use")
+                lines.append(f"  shared memory       {m['in_use']} of {m['slots']} slots in use, "
+                             f"{human(m['bytes'])} allocated{in_use_bytes}")
+            else:
+                lines.append("  shared memory       no slots")
+            if s["pin_thread_busy_seconds"] is not None:
+                lines.append(f"  pin-memory thread   {s['pin_thread_busy_seconds']:.2f} s busy")
+            if s.get("worker_start_seconds") is not None:
+                lines.append(f"  worker start        {s['worker_start_seconds']:.2f} s "
+                             f"({100 * s['worker_start_fraction']:.0f}% of the epoch)")
+            grown = [w for w in s["workers"] if w.get("uss_bytes") is not None]
+            if grown:
+                lines.append("  worker memory (USS) " + ", ".join(
+                    f"{'main' if n == 0 else w['id']}: {human(w['uss_bytes'])}"
+                    + ("" if w["uss_growth_bytes"] is None
+                       else f" ({'+' if w['uss_growth_bytes'] >= 0 else '-'}"
+                            f"{human(abs(w['uss_growth_bytes']))} since start)")
+                    for w in grown))
+        lines.append(f"  verdict             {verdict(s)}")
+        return "\n".join(lines)
+
+
+def verdict(s) -> str:
+    if s["batches_yielded"] == 0:
+        return "no batches yet"
+    if starting_dominates(s):
+        return start_advice(s)
+    stall = s["stall_fraction"]
+    if stall < STALL_WARN:
+        return (f"not data-bound: the loop waited on data {100 * stall:.0f}% of the time")
+    if s["num_workers"] == 0:
+        return (f"data-bound: loading takes {100 * stall:.0f}% of the time in the main process; "
+                "try num_workers > 0")
+    busy = min(w["busy_fraction"] for w in s["workers"])
+    if busy >= BUSY_SATURATED:
+        return (f"data-bound: the loop waited {100 * stall:.0f}% of the time and every worker "
+                "is busy; add workers or make __getitem__/collate_fn cheaper")
+    return (f"data-bound: the loop waited {100 * stall:.0f}% of the time and the least busy "
+            f"worker was idle {100 * (1 - busy):.0f}% of it; raise prefetch_factor or look at the "
+            "main process (transport, pinning). Short runs also count worker start-up")
+
+
+def starting_dominates(s) -> bool:
+    """Starting workers took most of an epoch the loop waited on."""
+    fraction = s.get("worker_start_fraction")
+    return (fraction is not None and fraction >= START_DOMINATES
+            and s["stall_fraction"] >= STALL_WARN)
+
+
+def start_advice(s) -> str:
+    text = (f"starting workers took {s['worker_start_seconds']:.2f} s, "
+            f"{100 * s['worker_start_fraction']:.0f}% of this epoch")
+    if s.get("persistent_workers"):
+        return text + "; with persistent_workers=True only the first epoch pays it"
+    return text + "; pass persistent_workers=True to start them once instead of at every epoch"
+
+
+def log_line(s: LoaderStats, window_batches: int, window_wait: float,
+             window_seconds: float) -> None:
+    """Log ``s`` in one line at INFO, with the stall and rate of the last
+    ``window_batches`` batches (``window_wait`` of ``window_seconds`` blocked)."""
+    logger.info(
+        "%d batches | data stall %.1f%% (last %d: %.1f%%) | %.1f batches/s"
+        " | slowest %s | in flight %d, ready %d%s",
+        s["batches_yielded"], 100 * s["stall_fraction"], window_batches,
+        100 * min(1.0, window_wait / window_seconds),
+        window_batches / window_seconds, _slowest(s),
+        s["queues"]["in_flight"], s["queues"]["ready"],
+        f" | {start_advice(s)}" if starting_dominates(s) else "")
+
+
+def _slowest(s) -> str:
+    timed = [w for w in s["workers"] if w["mean_fetch_seconds"] is not None]
+    if not timed:
+        return "worker: none yet"
+    w = max(timed, key=lambda w: w["mean_fetch_seconds"])
+    name = "main" if s["num_workers"] == 0 else str(w["id"])
+    return (f"worker {name}: {1000 * w['mean_fetch_seconds']:.1f} ms/batch, "
+            f"{100 * w['busy_fraction']:.0f}% busy")
+
+
+_visible = False
+
+
+def make_visible() -> None:
+    """The user asked for the line: make sure it is not dropped by default.
+
+    Only what the user has not decided is touched: the ``torchfeed`` logger's
+    level when it is unset, and a stderr handler when no logging is configured
+    anywhere (where Python would otherwise print only warnings)."""
+    global _visible
+    if _visible:
+        return
+    _visible = True
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("torchfeed: %(message)s"))
+        logger.addHandler(handler)
