@@ -151,6 +151,33 @@ def test_accelerate_dispatch_batches_keeps_torchfeed_and_resumes(new_accelerator
     assert ids(resumed) == expected[3:]
 
 
+def test_accelerate_prepare_of_a_torchfeed_loader_warns_once(new_accelerator, fresh_warnings):
+    """accelerator.prepare(loader) alone rebuilds torch's loader: torchfeed says so once,
+    at the user's line, and changes nothing that Accelerate or torch users see."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    accelerator = new_accelerator()
+    loader = torchfeed.DataLoader(Ids(), batch_size=4, shuffle=True)
+    with pytest.warns(UserWarning, match=r"rebuilds this torchfeed.DataLoader") as record:
+        prepared = accelerator.prepare(loader)
+        accelerator.prepare(torchfeed.DataLoader(Ids(), batch_size=4))
+    ours = [w for w in record if "torchfeed" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__
+    assert "torchfeed.prepare(accelerator.prepare, loader)" in str(ours[0].message)
+    assert type(prepared.base_dataloader) is TorchLoader  # Accelerate's own rebuild, as before
+    assert sorted(i for batch in ids(prepared) for i in batch) == list(range(22))
+    assert type(loader.batch_sampler) is BatchSampler and type(loader.sampler) is RandomSampler
+    assert "_is_accelerate_prepared" not in vars(loader)
+
+    frameworks._warned.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the supported way, and preparing its result again
+        supported = torchfeed.prepare(accelerator.prepare, torchfeed.DataLoader(Ids(), batch_size=4))
+        assert accelerator.prepare(supported) is supported
+        assert len(ids(supported)) == 6
+        assert list(torchfeed.DataLoader(Ids(), batch_size=11))  # plain use
+
+
 # -- Accelerate, two processes (torchrun, gloo) ----------------------------------------
 def _launch(cmd, timeout):
     return launch_in_own_session(cmd, timeout)

@@ -24,7 +24,7 @@ from ._options import resolve_log_every, resolve_transport, validate_max_worker_
 from ._single_process import SingleProcessIterator
 from ._stats import empty_stats
 from ._stats_report import LoaderStats
-from .frameworks import frameworks_warning, loaded
+from .frameworks import accelerate_rebuilds, frameworks_warning, loaded
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -141,6 +141,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return engine.load_state_dict(state_dict)
         _state.load_state_dict(self, state_dict)
         loaded(self)
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        # Accelerate's Accelerator.prepare_data_loader reads this (default False) just before
+        # it rebuilds the loader on torch's class: the one moment torchfeed can say so without
+        # touching Accelerate or what torch's attributes show.  Accelerate also sets it.
+        prepared = self.__dict__.get("_is_accelerate_prepared", False)
+        if not prepared:
+            accelerate_rebuilds(self)
+        return prepared
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        self.__dict__["_is_accelerate_prepared"] = value
 
     def _get_iterator(self):
         if self.num_workers == 0:

@@ -26,7 +26,9 @@ holds, exact in one process; with several processes only process 0 iterates,
 and a warning says that the saved position is not exact there.
 
 Where the framework's product is not recognised, the framework's loader runs
-and a warning names the supported way.  ``frameworks_warning`` covers the other
+and a warning names the supported way; so it does when ``accelerator.prepare``
+is given a ``torchfeed.DataLoader`` directly (``accelerate_rebuilds``, on the
+attribute Accelerate reads right before it rebuilds a loader).  ``frameworks_warning`` covers the other
 silent loss: a ``state_dict()`` of a loader that a framework replaced without
 ``torchfeed.prepare`` would say that nothing ran.
 """
@@ -55,12 +57,23 @@ _FROM_USER = ("num_workers", "collate_fn", "pin_memory", "timeout", "multiproces
               "max_worker_restarts")
 
 _warned: set = set()
+_inside_prepare: set = set()  # ids of the loaders torchfeed.prepare is handing to a framework
 
 
-def _warn_once(key, message: str) -> None:
+def _warn_once(key, message: str, stacklevel: int = 3) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
+        warnings.warn(message, UserWarning, stacklevel=stacklevel)
+
+
+def _first_frame_outside(*packages: str) -> int:
+    """The ``stacklevel``, for a warning that this function's caller has ``_warn_once``
+    raise, of the first frame outside ``packages`` (the user's call into them)."""
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and \
+            frame.f_globals.get("__name__", "").partition(".")[0] in packages:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def prepare(framework_prepare, loader, *args, **kwargs):
@@ -77,7 +90,11 @@ def prepare(framework_prepare, loader, *args, **kwargs):
     if not isinstance(loader, DataLoader):
         raise TypeError(f"torchfeed.prepare() takes a torchfeed.DataLoader, got "
                         f"{type(loader).__module__}.{type(loader).__qualname__}")
-    prepared = framework_prepare(loader, *args, **kwargs)
+    _inside_prepare.add(id(loader))
+    try:
+        prepared = framework_prepare(loader, *args, **kwargs)
+    finally:
+        _inside_prepare.discard(id(loader))
     holder, slot, inner = _engine_slot(prepared)
     if inner is loader or isinstance(inner, DataLoader):
         engine = inner  # the framework kept the loader (it was already per-rank)
@@ -202,6 +219,22 @@ class _Lookahead:
                 yield batch
         finally:
             engine._user_state = None
+
+
+def accelerate_rebuilds(loader) -> None:
+    """Warn once: Accelerate's ``prepare`` is rebuilding ``loader`` on torch's DataLoader.
+
+    Called when Accelerate asks the loader whether it was prepared already, which
+    it does right before rebuilding it; not when ``torchfeed.prepare`` is the
+    caller, nor for the loader ``torchfeed.prepare`` put inside Accelerate's.
+    """
+    if id(loader) in _inside_prepare or "_framework_snapshot" in loader.__dict__:
+        return
+    _warn_once("accelerate", (
+        "Accelerator.prepare() rebuilds this torchfeed.DataLoader as torch's DataLoader, so "
+        "torchfeed's iterator does not run: no shared-memory transport, no stats(), and "
+        f"save_state() does not record the loader's position. To keep torchfeed, {SUPPORTED}."),
+        stacklevel=_first_frame_outside("accelerate", "torchfeed"))
 
 
 def frameworks_warning(loader) -> None:
