@@ -34,24 +34,32 @@ import os
 import queue
 import time
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from ._errors import WorkerFailure, describe_dead_worker, describe_samples
+from ._errors import WorkerFailure, describe_dead_worker
 from ._iterator_base import BaseIterator
 from ._pin_memory import PinMemoryThread, pass_through_requested
 from ._pipe_reader import WAIT_SLICE
 from ._processes import close_queue, launch_worker, launched_at, stop_workers
 from ._receive import ResultReceiver
-from ._restart import RestartBudget, WorkerDied, handle_worker_death
-from ._stack_dump import collect_dumps, describe_timeout
+from ._restart import WorkerDied, WorkerRestarts
+from ._stack_dump import timeout_message
 from ._state import StatefulUnpacker
 from ._stats import LiveCounts
 from ._transport import create_channel
 from ._worker import IterableExhausted, ResumeIteration, Task, WorkerSpec
 
 _live_iterators: weakref.WeakSet = weakref.WeakSet()
+
+
+class TaskInfo(NamedTuple):
+    """A task sent and not yet handed to the user (``task_info[send_idx]``)."""
+
+    worker_id: int
+    batch_index: int
+    indices: Any
 
 
 @atexit.register
@@ -80,7 +88,6 @@ class MultiProcessIterator(BaseIterator):
         self._index_queues: list = []
         self._stack_pipes: list = []  # per worker: where it dumps its stacks on timeout
         self._pin_thread: PinMemoryThread | None = None
-        self._restarts = RestartBudget(getattr(loader, "max_worker_restarts", 0))
         self._acks_pending: set[int] = set()  # workers yet to acknowledge ResumeIteration
         ctx = self._ctx = loader.multiprocessing_context or torch.multiprocessing
         self._result_queue = ctx.Queue()
@@ -90,6 +97,9 @@ class MultiProcessIterator(BaseIterator):
             self._unpacker = StatefulUnpacker(self._unpacker)
         self._receiver = ResultReceiver(self._result_queue, self._unpacker, self._stats,
                                         self._workers, self._worker_active)
+        self._restarts = WorkerRestarts(getattr(loader, "max_worker_restarts", 0), self._is_iterable,
+                                        self._workers, self._receiver, self._result_queue,
+                                        self._channel)
         spec = WorkerSpec(
             is_iterable=self._is_iterable, dataset=self._dataset,
             auto_collation=self._auto_collation, collate_fn=self._collate_fn,
@@ -124,9 +134,9 @@ class MultiProcessIterator(BaseIterator):
         self._stack_pipes.append(stack_pipe)
         self._workers.append(process)
 
-    def _replace_worker(self, worker_id: int, owed):
+    def _replace_worker(self, worker_id: int, owed: list[tuple[int, TaskInfo]]):
         """Start a new process as worker ``worker_id`` (see ``_restart.py``) and
-        send it the tasks ``owed``: ``[(send_idx, (worker_id, batch_index, indices))]``."""
+        send it the tasks ``owed``: ``[(send_idx, TaskInfo)]``."""
         spec = dataclasses.replace(self._spec, epoch=self._epoch,
                                    shared_seed=self._stream.shared_seed)
         index_queue, stack_pipe, process = launch_worker(self._ctx, spec, worker_id,
@@ -138,8 +148,8 @@ class MultiProcessIterator(BaseIterator):
         self._workers[worker_id] = process
         if worker_id in self._acks_pending:
             index_queue.put(ResumeIteration(self._epoch, self._stream.shared_seed))
-        for send_idx, (_, batch_index, indices) in owed:
-            index_queue.put(Task(send_idx, batch_index, indices))
+        for send_idx, task in owed:
+            index_queue.put(Task(send_idx, task.batch_index, task.indices))
         if self._pin_thread is not None:
             self._start_pin_thread()
         return process
@@ -150,7 +160,7 @@ class MultiProcessIterator(BaseIterator):
             super()._reset(loader, first_iter)
         self._send_idx = 0
         self._rcvd_idx = 0
-        self._task_info: dict[int, tuple] = {}  # send_idx -> (worker_id, batch_index, indices)
+        self._task_info: dict[int, TaskInfo] = {}  # send_idx -> what was sent, to which worker
         self._arrived: dict[int, Any] = {}      # send_idx -> batch that came back before its turn
         self._tasks_outstanding = 0
         self._worker_active[:] = [True] * self._num_workers  # the receiver shares the list
@@ -193,7 +203,7 @@ class MultiProcessIterator(BaseIterator):
         else:
             return
         self._index_queues[worker_id].put(Task(self._send_idx, batch_index, indices))
-        self._task_info[self._send_idx] = (worker_id, batch_index, indices)
+        self._task_info[self._send_idx] = TaskInfo(worker_id, batch_index, indices)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
@@ -203,8 +213,7 @@ class MultiProcessIterator(BaseIterator):
     def _raise_dead_worker(self, worker_id: int, note: str = "") -> None:
         process = self._workers[worker_id]
         process.join(timeout=0.5)  # reap it, so exitcode is known
-        in_flight = [(batch, idx) for send, (wid, batch, idx) in sorted(self._task_info.items())
-                     if wid == worker_id and send not in self._arrived]
+        in_flight = [(task.batch_index, task.indices) for _, task in self._unanswered(worker_id)]
         # torch's sentence names every worker it finds dead, in worker order.
         dead_pids = [w.pid for i, w in enumerate(self._workers)
                      if i == worker_id or (self._worker_active[i] and not w.is_alive())]
@@ -229,20 +238,16 @@ class MultiProcessIterator(BaseIterator):
         """torch's timeout message, plus what was awaited and the stacks of the
         workers that owe it."""
         info = self._task_info.get(self._rcvd_idx) if self._in_order else None
+        owed: dict[int, TaskInfo | None] = {}  # worker -> the first task it owes, if known
         if info is not None:
-            owed = {info[0]: info}
+            owed = {info.worker_id: info}
         else:  # out of order, or between epochs: any worker with work may be the one
-            owed = {}
-            for send_idx, (worker_id, batch_index, indices) in sorted(self._task_info.items()):
+            for send_idx, task in sorted(self._task_info.items()):
                 if send_idx not in self._arrived:
-                    owed.setdefault(worker_id, (worker_id, batch_index, indices))
+                    owed.setdefault(task.worker_id, task)
             if not owed:
-                owed = {w: (w, None, None) for w in range(self._num_workers)}
-        owed = {w: t for w, t in owed.items() if self._workers[w].is_alive()}
-        dumps = collect_dumps({w: (self._stack_pipes[w], self._workers[w].pid) for w in owed})
-        awaited = [(w, self._workers[w].pid, b, describe_samples(ix) if b is not None else None)
-                   for w, (_, b, ix) in sorted(owed.items())]
-        return describe_timeout(self._timeout, awaited, dumps)
+                owed = {w: None for w in range(self._num_workers)}
+        return timeout_message(self._timeout, owed, self._workers, self._stack_pipes)
 
     def _wait_one(self, timeout: float):
         try:
@@ -254,8 +259,17 @@ class MultiProcessIterator(BaseIterator):
             # its pipes and its shared memory alive as long as the user keeps
             # the error.
             death = WorkerDied(raised.worker_id, raised.half_message)
-        handle_worker_death(self, death)  # restarts it, or raises its error
+        # Restart the worker (_restart.py) or raise its error.
+        note = self._restarts.after_death(death, self._pin_thread, self._unanswered(death.worker_id),
+                                          self._replace_worker)
+        if note is not None:
+            self._raise_dead_worker(death.worker_id, note=note)
         return False, None
+
+    def _unanswered(self, worker_id: int) -> list[tuple[int, TaskInfo]]:
+        """``[(send_idx, task)]`` sent to ``worker_id`` whose batch has not come back."""
+        return [(send_idx, task) for send_idx, task in sorted(self._task_info.items())
+                if task.worker_id == worker_id and send_idx not in self._arrived]
 
     def _wait_one_unguarded(self, timeout: float):
         if self._pin_thread is None:
@@ -283,7 +297,7 @@ class MultiProcessIterator(BaseIterator):
                 if self._rcvd_idx in self._arrived:
                     break
                 info = self._task_info.get(self._rcvd_idx)
-                if info is not None and self._worker_active[info[0]]:
+                if info is not None and self._worker_active[info.worker_id]:
                     break
                 self._task_info.pop(self._rcvd_idx, None)
                 self._rcvd_idx += 1

@@ -39,9 +39,15 @@ the dead worker that the user still holds stay intact.
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING, Any, Callable
 
 from ._errors import describe_exit
 from ._pipe_reader import HalfMessage
+
+if TYPE_CHECKING:  # both import this module
+    from ._multiprocess import TaskInfo
+    from ._pin_memory import PinMemoryThread
+    from ._receive import ResultReceiver
 
 LOCK_PROBE = 1.0  # seconds the write lock may stay taken with nothing arriving
 
@@ -86,79 +92,115 @@ class RestartBudget:
         return len(self.history)
 
 
-def handle_worker_death(it, death: WorkerDied) -> None:
-    """Restart the dead worker if the budget allows, else raise its error."""
-    worker_id = death.worker_id
-    process = it._workers[worker_id]
-    process.join(timeout=0.5)  # reap it, so its exit code is known
-    reason = it._restarts.refusal(process.exitcode, it._is_iterable)
-    if death.half_message:
-        half = ("It died while writing a result to the main process, which leaves half a "
-                "message in the result queue that all workers share")
-        reason = (f"{half}, so it was not restarted." if reason is None
-                  else f"{half}.\n{reason}" if reason else f"{half}.")
-    elif reason is None:
+class WorkerRestarts:
+    """Restarting the dead workers of one iterator, which owns this object.
+
+    It is built with exactly what a restart touches besides the iterator's own
+    book-keeping: the budget, the workers (the iterator's list, which a
+    replacement updates in place), the receiver whose pipe is drained, the
+    result queue whose write lock a dead worker may hold, and the transport
+    channel whose arena is renewed.  Which tasks the dead worker owed, and
+    starting its replacement, stay the iterator's: ``after_death`` is handed
+    them for each death and keeps no reference to the iterator."""
+
+    def __init__(self, limit: int, is_iterable: bool, workers: list, receiver: ResultReceiver,
+                 result_queue, channel) -> None:
+        self.budget = RestartBudget(limit)
+        self._is_iterable = is_iterable
+        self._workers = workers
+        self._receiver = receiver
+        self._result_queue = result_queue
+        self._channel = channel
+
+    def after_death(self, death: WorkerDied, pin_thread: PinMemoryThread | None,
+                    unanswered: list[tuple[int, TaskInfo]],
+                    replace: Callable[[int, list[tuple[int, TaskInfo]]], Any]) -> str | None:
+        """Restart the dead worker if the budget allows: None once it is restarted;
+        else why not, the note for its error ("" when restarts are off: the error
+        says nothing).  ``pin_thread`` (which reported the death, and so has
+        ended) is stopped before the pipe is read; ``unanswered`` and ``replace``
+        are ``restart``'s."""
+        reason = self._refusal(death)
+        if reason is not None:
+            return reason
+        if pin_thread is not None:
+            pin_thread.stop()
+        return self.restart(death.worker_id, unanswered, replace)
+
+    def _refusal(self, death: WorkerDied) -> str | None:
+        process = self._workers[death.worker_id]
+        process.join(timeout=0.5)  # reap it, so its exit code is known
+        reason = self.budget.refusal(process.exitcode, self._is_iterable)
+        if death.half_message:
+            half = ("It died while writing a result to the main process, which leaves half a "
+                    "message in the result queue that all workers share")
+            reason = (f"{half}, so it was not restarted." if reason is None
+                      else f"{half}.\n{reason}" if reason else f"{half}.")
+        return reason
+
+    def restart(self, worker_id: int, unanswered: list[tuple[int, TaskInfo]],
+                replace: Callable[[int, list[tuple[int, TaskInfo]]], Any]) -> str | None:
+        """Replace dead worker ``worker_id``, which the budget allows; None once
+        done, else why it was not (the note for its error).
+
+        ``unanswered``: ``[(send_idx, task)]`` sent to it and not yet received,
+        in send order.  ``replace(worker_id, owed)`` starts the new process and
+        sends it ``owed``, those of them whose answers are not in the pipe either;
+        it returns the new process."""
+        process = self._workers[worker_id]
         try:
-            _restart(it, worker_id, process)
-            return
+            self._drain(worker_id)
         except CannotRestart as exc:
-            reason = f"It was not restarted: {exc}"
-    it._raise_dead_worker(worker_id, note=reason)
+            return f"It was not restarted: {exc}"
+        in_pipe = {send_idx for send_idx, _ in self._receiver.pending}
+        owed = [(send_idx, task) for send_idx, task in unanswered if send_idx not in in_pipe]
+        count = self.budget.record(worker_id, process.pid, process.exitcode)
+        # Every whole message of the dead worker has been rebuilt (``_drain``); its
+        # slots may still hold batches the user keeps, so the replacement writes to
+        # a fresh arena.
+        self._channel.renew(worker_id)
+        new = replace(worker_id, owed)
+        batches = ", ".join(str(task.batch_index) for _, task in owed) or "none"
+        warnings.warn(
+            f"DataLoader worker {worker_id} (pid {process.pid}) {describe_exit(process.exitcode)}; "
+            f"restarted it as pid {new.pid} (restart {count} of max_worker_restarts="
+            f"{self.budget.limit}) and re-sent the batches it owed: {batches}.",
+            RuntimeWarning, stacklevel=5)  # the iterator frame that waited: _next_data or _reset
+        return None
 
+    def _drain(self, dead: int) -> None:
+        """Read every whole message in the result pipe into the receiver's
+        ``pending``, so that nothing the dead worker wrote is still unread when
+        its tasks are re-sent; then make sure the queue's write lock is free.
 
-def _restart(it, worker_id: int, process) -> None:
-    if it._pin_thread is not None:
-        it._pin_thread.stop()  # it has already ended: it reported the death
-    _drain(it, worker_id)
-    owed = [(send_idx, task) for send_idx, task in sorted(it._task_info.items())
-            if task[0] == worker_id and send_idx not in it._arrived
-            and send_idx not in {item[0] for item in it._receiver.pending}]
-    count = it._restarts.record(worker_id, process.pid, process.exitcode)
-    # Every whole message of the dead worker has been rebuilt (``_drain``); its
-    # slots may still hold batches the user keeps, so the replacement writes to
-    # a fresh arena.
-    it._channel.renew(worker_id)
-    new = it._replace_worker(worker_id, owed)
-    batches = ", ".join(str(task[1]) for _, task in owed) or "none"
-    warnings.warn(
-        f"DataLoader worker {worker_id} (pid {process.pid}) {describe_exit(process.exitcode)}; "
-        f"restarted it as pid {new.pid} (restart {count} of max_worker_restarts="
-        f"{it._restarts.limit}) and re-sent the batches it owed: {batches}.",
-        RuntimeWarning, stacklevel=5)
-
-
-def _drain(it, dead: int) -> None:
-    """Read every whole message in the result pipe into ``it._receiver.pending``, so
-    that nothing the dead worker wrote is still unread when its tasks are
-    re-sent; then make sure the queue's write lock is free.
-
-    A worker's queue feeder thread takes the write lock just before it writes
-    a message, so a worker killed in ``__getitem__`` while its feeder was
-    starting to send the previous batch dies holding the lock.  Every other
-    worker would then wait for it forever.  While we keep reading, a live
-    holder finishes its write within moments; a lock that stays taken while
-    nothing arrives for ``LOCK_PROBE`` seconds is held by the dead worker, and
-    the pipe holds only whole messages (half of one raises ``HalfMessage``), so
-    releasing the lock on its behalf is safe."""
-    lock = getattr(it._result_queue, "_wlock", None)
-    quiet_since = _now()
-    while True:
-        try:
-            while it._receiver.messages.started():
-                item = it._receiver.read_result(dead=dead)
-                quiet_since = _now()
-                if item is not None:
-                    it._receiver.pending.append(item)
-        except HalfMessage:
-            raise CannotRestart("it died while writing a result, which leaves half a message "
-                                "in the result queue shared by all workers.") from None
-        if lock is None or lock.acquire(timeout=0.05):
-            if lock is not None:
-                lock.release()
-            return
-        if _now() - quiet_since > LOCK_PROBE:
-            lock.release()  # a multiprocessing.Lock may be released by any process
-            return
+        A worker's queue feeder thread takes the write lock just before it writes
+        a message, so a worker killed in ``__getitem__`` while its feeder was
+        starting to send the previous batch dies holding the lock.  Every other
+        worker would then wait for it forever.  While we keep reading, a live
+        holder finishes its write within moments; a lock that stays taken while
+        nothing arrives for ``LOCK_PROBE`` seconds is held by the dead worker, and
+        the pipe holds only whole messages (half of one raises ``HalfMessage``), so
+        releasing the lock on its behalf is safe."""
+        receiver = self._receiver
+        lock = getattr(self._result_queue, "_wlock", None)
+        quiet_since = _now()
+        while True:
+            try:
+                while receiver.messages.started():
+                    item = receiver.read_result(dead=dead)
+                    quiet_since = _now()
+                    if item is not None:
+                        receiver.pending.append(item)
+            except HalfMessage:
+                raise CannotRestart("it died while writing a result, which leaves half a message "
+                                    "in the result queue shared by all workers.") from None
+            if lock is None or lock.acquire(timeout=0.05):
+                if lock is not None:
+                    lock.release()
+                return
+            if _now() - quiet_since > LOCK_PROBE:
+                lock.release()  # a multiprocessing.Lock may be released by any process
+                return
 
 
 def _now() -> float:

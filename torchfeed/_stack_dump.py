@@ -25,6 +25,12 @@ import faulthandler
 import os
 import signal
 import time
+from typing import TYPE_CHECKING
+
+from ._errors import describe_samples
+
+if TYPE_CHECKING:  # it imports this module
+    from ._multiprocess import TaskInfo
 
 DUMP_SIGNAL = signal.SIGUSR1
 FIRST_BYTE_WAIT = 1.0  # how long a signalled worker has to start its dump
@@ -171,6 +177,18 @@ def describe_timeout(timeout: float, awaited: list[tuple], dumps: dict[int, str 
                      f"that takes longer than timeout={timeout} to load. Fix the code at the top "
                      f"of the stack, or raise timeout.")
     return "\n".join(lines)
+
+
+def timeout_message(timeout: float, owed: dict[int, TaskInfo | None], workers: list,
+                    stack_pipes: list) -> str:
+    """``describe_timeout`` for the workers of ``owed`` (worker id -> the first task
+    it owes, None if not known) that are alive, with their stacks."""
+    alive = {w: t for w, t in owed.items() if workers[w].is_alive()}
+    dumps = collect_dumps({w: (stack_pipes[w], workers[w].pid) for w in alive})
+    awaited = [(w, workers[w].pid, None, None) if t is None else
+               (w, workers[w].pid, t.batch_index, describe_samples(t.indices))
+               for w, t in sorted(alive.items())]
+    return describe_timeout(timeout, awaited, dumps)
 
 
 def collect_dumps(requests: dict[int, tuple[StackPipe, int]]) -> dict[int, str | None]:
