@@ -436,3 +436,38 @@ def test_idle_persistent_loader_keeps_one_small_slot_per_worker():
         held = _arena_bytes(loader)
         assert all(b <= 4 * 65536 for b in held), held
     del loader
+
+
+class Fixed(Dataset):
+    """Samples of ``nbytes`` each, every one the same size."""
+
+    def __init__(self, n, nbytes):
+        self.n, self.nbytes = n, nbytes
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((self.nbytes // 4,), i, dtype=torch.float32)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("batch_size", [None, 4])  # copied into the slot; stacked into it
+def test_slots_alive_at_the_peak_are_what_prefetch_needs_and_no_bigger(batch_size):
+    # A consumer that holds each batch for a step lets the workers run ahead
+    # to prefetch_factor batches each. Every slot then holds exactly one
+    # batch: a fixed-size stream needs no headroom, which would be memory
+    # that no batch ever uses, in every slot.
+    batch = 4 << 20
+    sample = batch if batch_size is None else batch // batch_size
+    loader = torchfeed.DataLoader(Fixed(24 * (batch_size or 1), sample), batch_size=batch_size,
+                                  num_workers=2, prefetch_factor=2)
+    peak = 0
+    for i, b in enumerate(loader):
+        time.sleep(0.01)
+        shm = loader.stats()["shm"]
+        assert shm["bytes"] % batch == 0, (i, shm)
+        peak = max(peak, shm["bytes"])
+        assert float(b.flatten()[-1]) == i * (batch_size or 1) + (batch_size or 1) - 1
+        del b
+    assert batch <= peak <= 2 * (2 + 1) * batch, peak

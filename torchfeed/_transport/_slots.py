@@ -201,8 +201,11 @@ class WorkerPool:
     one used most recently (its pages are mapped and warm in both processes).
     A slot that has stayed free for ``idle_batches`` acquisitions is given back,
     so the pool shrinks to what the consumer actually holds. A batch bigger than
-    every free slot gets a new one with 1/16 headroom; free slots too small for
-    it are given back first.
+    every free slot gets a new one, free slots too small for it given back
+    first. A new slot is the batch's size while every batch so far has had the
+    same size (a slot's headroom is memory no batch uses, in each of up to
+    ``prefetch_factor + 1`` slots); once sizes vary, it gets 1/16 headroom, so
+    batches a little bigger than the last still fit.
     """
 
     def __init__(self, fd: int, budget: int, max_slots: int, idle_batches: int,
@@ -220,6 +223,8 @@ class WorkerPool:
         self.end = FIRST_REGION
         self.bytes = 0
         self.tick = 0
+        self.last_nbytes = -1
+        self.sizes_vary = False
         # A slot's uid names its arena's generation too (see ``uid_generation``).
         self.uid = generation << GENERATION_SHIFT
 
@@ -242,6 +247,9 @@ class WorkerPool:
         for s in punched:
             self.retire(s)
         self.tick += 1
+        if nbytes != self.last_nbytes:
+            self.sizes_vary = self.sizes_vary or self.last_nbytes >= 0  # for good, once seen
+            self.last_nbytes = nbytes
         if best is not None and best.cap - nbytes >= SHRINK_MIN and best.cap > 4 * nbytes:
             # Grown for a batch far bigger than the ones it carries now.
             best.oversized += 1
@@ -267,7 +275,8 @@ class WorkerPool:
         return best, None
 
     def _create(self, nbytes: int):
-        cap = max(REGION_ALIGN, _round_up(nbytes + nbytes // 16, REGION_ALIGN))
+        headroom = nbytes // 16 if self.sizes_vary else 0
+        cap = max(REGION_ALIGN, _round_up(nbytes + headroom, REGION_ALIGN))
         if not self.free_idx or len(self.slots) >= self.max_slots:
             return None, ("pool", len(self.slots), self.bytes, cap)
         if self.bytes + cap > self.budget:
