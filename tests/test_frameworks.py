@@ -84,6 +84,7 @@ def test_accelerate_keeps_torchfeed_and_round_trips_save_state(new_accelerator, 
         if step == 1:
             accelerator.save_state(str(tmp_path / "ckpt"))
             saved = ours.state_dict()
+            mine = loader.state_dict()  # the user's own loader: what they received, too
     assert got == expected
     assert ours.stats()["batches_yielded"] == len(expected) == loader.stats()["batches_yielded"]
     assert ours.stats()["transport"] == "shm"
@@ -95,6 +96,14 @@ def test_accelerate_keeps_torchfeed_and_round_trips_save_state(new_accelerator, 
     # What save_state would write now is the loaded position, not the fresh loader's.
     assert resumed.state_dict()["batches_yielded"] == saved["batches_yielded"] == 2
     assert ids(resumed) == expected[2:]
+
+    # The user's loader's state is the same position, not Accelerate's look-ahead (one
+    # batch further): loaded into a new run's loader, no batch is skipped.
+    assert mine["batches_yielded"] == 2
+    accelerator = new_accelerator()
+    again_loader, again = _through_accelerate(accelerator, torchfeed.DataLoader, seed=98)
+    again_loader.load_state_dict(mine)
+    assert ids(again) == expected[2:]
 
 
 def test_accelerate_stateful_dataloader_option_warns_and_keeps_torchfeed(fresh_warnings):

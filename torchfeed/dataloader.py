@@ -24,7 +24,7 @@ from ._options import resolve_log_every, resolve_transport, validate_max_worker_
 from ._single_process import SingleProcessIterator
 from ._stats import empty_stats
 from ._stats_report import LoaderStats
-from .frameworks import accelerate_rebuilds, frameworks_warning, loaded
+from .frameworks import accelerate_rebuilds, framework_snapshot, frameworks_warning, loaded
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -118,7 +118,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """
         engine = self.__dict__.get("_prepared_as")
         if engine is not None:
-            return engine.state_dict()
+            received = framework_snapshot(engine)  # Accelerate's, taken before its look-ahead
+            return received if received is not None else engine.state_dict()
         user_state = self.__dict__.get("_user_state")  # a wrapper holds a batch read ahead
         if user_state is not None:
             return dict(user_state)

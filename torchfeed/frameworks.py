@@ -269,6 +269,22 @@ def _is_distributed(loader) -> bool:
                or hasattr(s, "num_processes") for s in (sampler, batch_sampler, inner))
 
 
+def framework_snapshot(engine) -> dict | None:
+    """The state of what the user received from Accelerate's adapter around ``engine``.
+
+    Accelerate's ``DataLoaderShard`` reads one batch ahead of the user and keeps,
+    as ``dl_state_dict``, the state it took before that read; ``engine``'s own
+    state counts the batch read ahead.  None where no such adapter holds ``engine``.
+    """
+    snapshot = engine.__dict__.get("_framework_snapshot")
+    holder = snapshot() if snapshot is not None else None
+    if holder is None:
+        return None
+    # Accelerate tags its copy with "_iterator_finished"; the loader's own state says
+    # as much (every batch yielded), so the user gets torchfeed's format alone.
+    return {k: v for k, v in holder.dl_state_dict.items() if k != "_iterator_finished"}
+
+
 def loaded(loader) -> None:
     """After ``load_state_dict``: what a framework's wrapper reports is the loaded state."""
     loader._user_state = None
