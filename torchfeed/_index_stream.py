@@ -35,6 +35,7 @@ from torch.utils.data import IterableDataset
 
 from ._chunked_sampler import iterate
 from ._datapipes import SharedSeed, is_iter_datapipe
+from ._protocol import StatefulResult
 from ._replay import Replay
 from ._rng import draw_base_seed, drawing_from, encode_host_rngs, encode_rng, replaying
 from ._sampler_state import epoch_state, may_draw_host_rngs, private_rngs, sampler_generators, stateful_sampler
@@ -46,37 +47,14 @@ NO_STATE = object()  # a batch that came without a dataset state
 _NOTHING = object()
 
 
-class StatefulResult:
-    """A batch and the (dataset, iterator) state its worker reported right after making it.
+class IndexStream(Replay):
+    """One iterator's index stream, epoch after epoch (persistent workers reuse it).
 
-    ``exhausted``: making it hit the end of the worker's stream (a short last
-    batch), so the worker has nothing more this epoch.  ``samples``: how many
-    samples a short last batch holds (None: a full batch).  The worker wraps
-    the transport's payload in one (a dataset without state sends one only for
-    a short batch, with ``state`` None); the main process's unpacker rebuilds
-    the batch inside it; the state is recorded when the batch is yielded to the
-    user, not when it arrives.
+    ``book``: the loader's ``ResumeBook`` (``_state.py``), which says what epoch
+    starts next and holds a loaded state until an epoch takes it.
     """
 
-    __slots__ = ("value", "state", "exhausted", "samples")
-
-    def __init__(self, value, state, exhausted: bool = False, samples=None) -> None:
-        self.value = value
-        self.state = state
-        self.exhausted = exhausted
-        self.samples = samples
-
-    def pin_memory(self):  # the pin-memory thread pins what is inside
-        from ._pin_memory import pin_memory
-        return StatefulResult(pin_memory(self.value), self.state, self.exhausted, self.samples)
-
-
-class IndexStream(Replay):
-    """One iterator's index stream, epoch after epoch (persistent workers reuse it)."""
-
-    def __init__(self, loader) -> None:
-        from ._state import ResumeBook  # the book imports this module
-
+    def __init__(self, loader, book) -> None:
         self.generator = loader.generator  # not the loader: no reference cycle through it
         self.index_sampler = loader._index_sampler
         self.is_iterable = isinstance(loader.dataset, IterableDataset)
@@ -100,7 +78,7 @@ class IndexStream(Replay):
         self.private = [] if self.is_iterable else private_rngs(self.index_sampler,
                                                                 self.sampler_protocol)
         self.lazy_draws = False  # the sampler drew from a global RNG after its first batch
-        self.book = ResumeBook.of(loader)
+        self.book = book
         self.base_seed: int | None = None
         # An IterDataPipe's shared seed (``_datapipes.py``): drawn with the
         # epoch's other draws, in torch's order, so a resume replays it.

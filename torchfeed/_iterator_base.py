@@ -19,6 +19,7 @@ from torch.utils.data import IterableDataset
 
 from ._datapipes import seed_graph
 from ._index_stream import IndexStream
+from ._state import ResumeBook
 from ._stats import IteratorStats
 
 
@@ -77,7 +78,7 @@ class BaseIterator:
         self._pin_memory, self._pin_memory_device = pin_memory_plan(loader)
         self._IterableDataset_len_called = loader._IterableDataset_len_called
         self._epoch = 0
-        self._stream = IndexStream(loader)
+        self._stream = IndexStream(loader, ResumeBook.of(loader))
         self._start_stream(fresh=True)  # also draws the base seed, or restores a resumed one
         self._stats = IteratorStats(self, loader, self._epoch)
         self._base_seed = self._stream.base_seed

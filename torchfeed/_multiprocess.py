@@ -43,13 +43,13 @@ from ._iterator_base import BaseIterator
 from ._pin_memory import PinMemoryThread, pass_through_requested
 from ._pipe_reader import WAIT_SLICE
 from ._processes import close_queue, launch_worker, launched_at, stop_workers
+from ._protocol import IterableExhausted, ResumeIteration, StatefulUnpacker, Task
 from ._receive import ResultReceiver
 from ._restart import WorkerDied, WorkerRestarts
 from ._stack_dump import timeout_message
-from ._state import StatefulUnpacker
 from ._stats import LiveCounts
 from ._transport import create_channel
-from ._worker import IterableExhausted, ResumeIteration, Task, WorkerSpec
+from ._worker import WorkerSpec
 
 _live_iterators: weakref.WeakSet = weakref.WeakSet()
 

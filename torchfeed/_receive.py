@@ -28,9 +28,9 @@ import pickle
 
 from ._errors import WorkerFailure
 from ._pipe_reader import HalfMessage, MessageReader, Stopped, wait_ready
+from ._protocol import IterableExhausted
 from ._restart import WorkerDied
 from ._transport import fd_exhaustion_error
-from ._worker import IterableExhausted
 
 DYING_SENDER_WAIT = 1.0  # how long a payload that failed to arrive may wait for its sender's death
 

@@ -104,7 +104,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils.data import IterableDataset
 
-from ._index_stream import IndexStream, StatefulResult
+from ._index_stream import IndexStream
 from ._rng import encode_host_rngs, encode_rng
 from ._sampler_state import describe_sampler
 from ._state_validation import KIND, VERSION, check_finished, check_position, validate
@@ -292,7 +292,7 @@ def load_state_dict(loader, state) -> None:
     if isinstance(state, Mapping) and len(state) == 0:
         return  # torchdata's convention: an empty state restores nothing
     book = ResumeBook.of(loader)
-    probe = IndexStream(loader)  # what this loader's stream looks like; starts nothing
+    probe = IndexStream(loader, book)  # what this loader's stream looks like; starts nothing
     state = validate(state, book.header, loader, probe)
     undo = _undo_point(loader, probe)
     try:
@@ -368,26 +368,3 @@ def _undo_point(loader, probe: IndexStream):
             sampler.set_epoch(epoch)
     return undo
 
-
-class StatefulUnpacker:
-    """The transport's unpacker, which also lets an IterableDataset's batches through
-    when they carry a worker's state or a short batch's sample count."""
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-
-    def unpack(self, payload):
-        if type(payload) is StatefulResult:
-            return StatefulResult(self._inner.unpack(payload.value), payload.state,
-                                   payload.exhausted, payload.samples)
-        return self._inner.unpack(payload)
-
-    def discard(self, payload) -> None:
-        if type(payload) is StatefulResult:
-            payload = payload.value
-        discard = getattr(self._inner, "discard", None)
-        if discard is not None:
-            discard(payload)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)

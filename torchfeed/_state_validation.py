@@ -100,7 +100,7 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
             check_iterable_world_size(state["world_size"], header["world_size"])
         except ValueError as exc:
             _fail(f"field 'world_size': {exc}")
-    library = _check_dataset_state(state["dataset_state"], loader)
+    library = _check_dataset_state(state["dataset_state"], loader, probe)
     rereads = library and state["dataset_state"].get("reread", 0) > 0
     if iterable and rereads and state["num_workers"] != header["num_workers"]:
         _fail(f"field 'num_workers' is {state['num_workers']} in the state but "
@@ -163,11 +163,9 @@ def validate(state, header: dict, loader, probe: IndexStream) -> dict:
     return out
 
 
-def _check_dataset_state(saved, loader) -> bool:
+def _check_dataset_state(saved, loader, probe: IndexStream) -> bool:
     """A streaming library's state (``_streaming_adapters.py``): the same library here."""
-    from ._state import ResumeBook
-
-    adapter = ResumeBook.of(loader).adapter
+    adapter = probe.book.adapter
     mine = adapter.library if adapter is not None else None
     if saved is None:
         return False  # nothing of the library's: the loader re-reads, and warns

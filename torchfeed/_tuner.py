@@ -23,6 +23,7 @@ from ._progress import Progress
 from ._stats_report import START_DOMINATES
 from ._tuner_report import TuneResult, TuneRow, pyplot, recommend, workers_text
 from .bench.measure import cpu_count, time_loader
+from .dataloader import DataLoader as TorchfeedDataLoader
 
 _FEW_BATCHES = 5  # fewer batches than this in a setting's window: suggest more seconds
 
@@ -60,10 +61,8 @@ def loader_arguments(source: Any, batch_size: int | None = None) -> tuple[type, 
     ``num_workers`` and ``prefetch_factor`` are left for the caller.
     """
     if not isinstance(source, DataLoader):
-        import torchfeed
-
-        return torchfeed.DataLoader, {"dataset": source,
-                                      "batch_size": 1 if batch_size is None else batch_size}
+        return TorchfeedDataLoader, {"dataset": source,
+                                     "batch_size": 1 if batch_size is None else batch_size}
     dl = source
     kwargs: dict[str, Any] = {
         "dataset": dl.dataset,

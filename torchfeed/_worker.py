@@ -48,34 +48,14 @@ from . import _seeding, _stack_dump
 from ._datapipes import seed_graph, shard_graph
 from ._errors import WorkerFailure, add_note
 from ._fetch import create_fetcher
-from ._index_stream import StatefulResult
 from ._pickling import describe_unpicklable, find_unpicklable
 from ._pipe_reader import wait_ready
+from ._protocol import IterableExhausted, ResumeIteration, StatefulResult, Task
 from ._result_writer import ResultWriter
 from ._stateful import StateTaker, take_state
 from ._transport import Plain
 
 POLL_INTERVAL = 0.25  # seconds between checks that the main process is alive
-
-
-@dataclass
-class Task:
-    send_idx: int       # position in this epoch's stream of tasks (reorder key)
-    batch_index: int    # position of the batch in the epoch (stable across resume)
-    indices: Any        # sample indices, or a list of Nones for iterable datasets
-
-
-@dataclass
-class ResumeIteration:
-    """Start a new epoch with persistent workers."""
-    epoch: int
-    shared_seed: int | None = None  # an IterDataPipe's, for the new epoch (_datapipes.py)
-
-
-@dataclass
-class IterableExhausted:
-    worker_id: int
-    state: Any = None  # its (dataset, iterator) state once its stream is exhausted
 
 
 @dataclass
