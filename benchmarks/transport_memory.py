@@ -8,7 +8,11 @@ invocation, alternating, ``--runs`` times (the median is reported):
   sampled every few milliseconds, of PSS summed over the main process and its
   workers (a page mapped by two processes counts once) plus the machine's
   ``Shmem`` growth over the run (shared memory no process maps any more, such
-  as torch's segments in flight, still costs RAM).
+  as torch's segments in flight, still costs RAM). With ``--step-ms``, the
+  consumer holds each batch that long first, as a training step would, so
+  the workers run ahead up to ``prefetch_factor`` batches each. Also printed:
+  where the peak sample's memory was (the main process's PSS, the workers',
+  Shmem) and, for torchfeed, the slots alive then (``loader.stats()``).
 * ``idle``: persistent workers, batches that swing between 4 KiB and 64 MiB;
   after the epoch, with the loader idle, the same sum, and the shared memory
   torchfeed's slots still hold (the arenas' resident bytes).
@@ -58,28 +62,38 @@ def shmem() -> int:
     return 0
 
 
+def pss_of(p) -> int:
+    try:
+        return p.memory_full_info().pss
+    except (psutil.Error, AttributeError):
+        return 0
+
+
 def tree_pss() -> int:
     me = psutil.Process()
-    total = 0
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            total += p.memory_full_info().pss
-        except (psutil.Error, AttributeError):
-            pass
-    return total
+    return sum(pss_of(p) for p in [me, *me.children(recursive=True)])
 
 
 class Sampler(threading.Thread):
-    """Samples PSS + Shmem growth until stopped; keeps the peak."""
+    """Samples PSS + Shmem growth until stopped; keeps the peak, and where the
+    peak sample's memory was: ``(main PSS, workers' PSS, Shmem, slots, slot bytes)``."""
 
-    def __init__(self, shmem0):
+    def __init__(self, shmem0, loader=None):
         super().__init__(daemon=True)
         self.shmem0, self.stop = shmem0, threading.Event()
+        self.loader = loader  # torchfeed's, whose stats() count the slots
         self.peak = self.peak_pss = self.peak_shm = 0
+        self.at_peak = (0, 0, 0, 0, 0)
 
     def run(self):
+        me = psutil.Process()
         while not self.stop.is_set():
-            pss, shm = tree_pss(), max(0, shmem() - self.shmem0)
+            main = pss_of(me)
+            workers = sum(pss_of(p) for p in me.children(recursive=True))
+            pss, shm = main + workers, max(0, shmem() - self.shmem0)
+            if pss + shm > self.peak:
+                slots = self.loader.stats()["shm"] if self.loader is not None else {}
+                self.at_peak = (main, workers, shm, slots.get("slots", 0), slots.get("bytes", 0))
             self.peak = max(self.peak, pss + shm)
             self.peak_pss, self.peak_shm = max(self.peak_pss, pss), max(self.peak_shm, shm)
             time.sleep(0.005)
@@ -90,14 +104,16 @@ def run_big(cls, args):
     base = shmem()
     loader = cls(Big(args.batches, args.batch_mib * MIB), batch_size=None, num_workers=2,
                  prefetch_factor=2)
-    sampler = Sampler(base)
+    sampler = Sampler(base, loader if cls is torchfeed.DataLoader else None)
     sampler.start()
     for batch in loader:
+        if args.step_ms:
+            time.sleep(args.step_ms / 1000)
         del batch
     sampler.stop.set()
     sampler.join()
     del loader
-    return sampler.peak, sampler.peak_pss, sampler.peak_shm
+    return (sampler.peak, sampler.peak_pss, sampler.peak_shm, *sampler.at_peak)
 
 
 def run_idle(cls, args):
@@ -123,6 +139,8 @@ def main(argv=None):
     ap.add_argument("--batch-mib", type=int, default=64)
     ap.add_argument("--batches", type=int, default=24)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--step-ms", type=float, default=0.0,
+                    help="the consumer holds each batch this long (a training step)")
     args = ap.parse_args(argv)
     loaders = {"torch": tud.DataLoader, "torchfeed": torchfeed.DataLoader}
     big = {k: [] for k in loaders}
@@ -132,13 +150,21 @@ def main(argv=None):
             big[name].append(run_big(cls, args))
             idle[name].append(run_idle(cls, args))
     print(f"# {args.batch_mib} MiB batches, num_workers=2, prefetch_factor=2, median of "
-          f"{args.runs} runs, {os.cpu_count()} CPUs, torch {torch.__version__}")
+          f"{args.runs} runs, {os.cpu_count()} CPUs, torch {torch.__version__}"
+          + (f", a {args.step_ms:g} ms step per batch" if args.step_ms else ""))
     print(f"{'row':30s} {'torch':>10s} {'torchfeed':>10s} {'diff':>10s}  (MiB; PSS + Shmem)")
     for k, what in enumerate(("big: peak PSS + Shmem", "big: peak PSS", "big: peak Shmem")):
         t = statistics.median(r[k] for r in big["torch"]) / MIB
         f = statistics.median(r[k] for r in big["torchfeed"]) / MIB
         print(f"{what:30s} {t:10.0f} {f:10.0f} {f - t:+10.0f}  "
               f"({(f - t) / args.batch_mib:+.1f} batches)")
+    for name in loaders:
+        main, workers, shm, slots, nbytes = (statistics.median(r[k] for r in big[name])
+                                             for k in range(3, 8))
+        print(f"{'  at the peak, ' + name:30s} main PSS {main / MIB:.0f}, workers' PSS "
+              f"{workers / MIB:.0f}, Shmem {shm / MIB:.0f}"
+              + (f"; {slots:g} slots alive, {nbytes / MIB:.0f} MiB" if name == "torchfeed" else
+                 f" ({shm / MIB / args.batch_mib:.1f} batches' segments)"))
     t = statistics.median(h for h, _ in idle["torch"]) / MIB
     f = statistics.median(h for h, _ in idle["torchfeed"]) / MIB
     slots = statistics.median(s for _, s in idle["torchfeed"]) / MIB
