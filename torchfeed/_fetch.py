@@ -94,9 +94,10 @@ class IterableFetcher:
         """What ``iter(dataset)`` returned this epoch, or None before it was called."""
         return self._iterator
 
-    def _stream(self):
-        # The dataset's __iter__ runs lazily, on the first task, as in torch:
-        # errors raised by it are then reported against that task.
+    def stream(self):
+        """``iter(dataset)``, made on first use (a resume's iterator state loaded
+        into it).  The dataset's __iter__ runs lazily, on the first task, as in
+        torch: errors raised by it are then reported against that task."""
         if self._iterator is None:
             self._iterator = iter(self.dataset)
             state, self._iterator_state = self._iterator_state, None
@@ -107,7 +108,7 @@ class IterableFetcher:
     def fetch(self, indices) -> Any:
         if self.exhausted:
             raise StopIteration
-        stream = self._stream()
+        stream = self.stream()
         if not self.auto_collation:
             try:
                 return self.collate_fn(next(stream))

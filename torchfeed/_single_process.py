@@ -52,7 +52,7 @@ class SingleProcessIterator(BaseIterator):
         elif self._is_iterable:
             # torch calls the dataset's __iter__ when the iterator is made, so
             # an error from it is raised by iter(loader), not the first next().
-            self._fetcher._stream()
+            self._fetcher.stream()
         if self._taker is not None:
             # The state at the epoch's start (after iter(dataset), as torchdata takes
             # it): a state_dict() before the first next() replays the whole epoch even

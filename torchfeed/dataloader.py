@@ -24,7 +24,14 @@ from ._options import resolve_log_every, resolve_transport, validate_max_worker_
 from ._single_process import SingleProcessIterator
 from ._stats import empty_stats
 from ._stats_report import LoaderStats
-from .frameworks import accelerate_rebuilds, framework_snapshot, frameworks_warning, loaded
+from .frameworks import (
+    accelerate_rebuilds,
+    framework_snapshot,
+    frameworks_warning,
+    loaded,
+    prepared_engine,
+    read_ahead_state,
+)
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -102,7 +109,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         ``str()`` of the result is a readable summary.  See ``torchfeed/_stats.py``
         and the README, "Is my training data-bound?".
         """
-        engine = self.__dict__.get("_prepared_as")  # torchfeed.prepare: the loader that runs
+        engine = prepared_engine(self)  # torchfeed.prepare: the loader that runs
         if engine is not None:
             return engine.stats()
         source = getattr(self, "_stats_source", None)
@@ -116,17 +123,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         Survives ``json`` and ``torch.save``/``torch.load(weights_only=True)``.
         After ``torchfeed.prepare``, the state of the loader the framework runs.
         """
-        engine = self.__dict__.get("_prepared_as")
+        engine = prepared_engine(self)
         if engine is not None:
             received = framework_snapshot(engine)  # Accelerate's, taken before its look-ahead
             return received if received is not None else engine.state_dict()
-        user_state = self.__dict__.get("_user_state")  # a wrapper holds a batch read ahead
+        user_state = read_ahead_state(self)  # a wrapper holds a batch read ahead
         if user_state is not None:
             return dict(user_state)
         frameworks_warning(self)
-        return self._own_state_dict()
-
-    def _own_state_dict(self) -> dict:
         return _state.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -137,7 +141,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         data to get there.  After ``torchfeed.prepare``, loads into the loader the
         framework runs.
         """
-        engine = self.__dict__.get("_prepared_as")
+        engine = prepared_engine(self)
         if engine is not None:
             return engine.load_state_dict(state_dict)
         _state.load_state_dict(self, state_dict)

@@ -41,6 +41,8 @@ import weakref
 import torch.utils.data
 from torch.utils.data import IterableDataset
 
+from . import _state
+
 SUPPORTED = ("pass the loader through torchfeed.prepare(framework_prepare, loader), e.g. "
              "torchfeed.prepare(accelerator.prepare, loader) or "
              "torchfeed.prepare(ray.train.torch.prepare_data_loader, loader); see the README, "
@@ -58,6 +60,24 @@ _FROM_USER = ("num_workers", "collate_fn", "pin_memory", "timeout", "multiproces
 
 _warned: set = set()
 _inside_prepare: set = set()  # ids of the loaders torchfeed.prepare is handing to a framework
+
+# What this module keeps on a loader, in the loader's __dict__ so that a copied
+# or pickled loader keeps it too; no other module reads or writes these keys:
+# "_prepared_as", the loader the framework runs in place of this one;
+# "_user_state", the state of what the user has consumed while a wrapper holds a
+# batch read ahead; "_framework_snapshot", a weak reference to the Accelerate
+# adapter whose snapshot reports this loader's state.
+
+
+def prepared_engine(loader):
+    """The loader a framework runs in place of ``loader`` (``torchfeed.prepare``), or None."""
+    return loader.__dict__.get("_prepared_as")
+
+
+def read_ahead_state(loader) -> dict | None:
+    """``loader``'s state as the user has seen it while a wrapper (Ray's) holds a
+    batch read ahead, or None when no batch is held."""
+    return loader.__dict__.get("_user_state")
 
 
 def _warn_once(key, message: str, stacklevel: int = 3) -> None:
@@ -158,7 +178,7 @@ def _install(holder, slot, engine) -> None:
         # Accelerate's adapter: its state_dict() is the snapshot it takes before each
         # look-ahead (exact), and save_state/load_state include loaders that say
         # use_stateful_dataloader.  Its snapshot starts as the fresh loader's state.
-        holder.dl_state_dict = engine._own_state_dict()  # not iterated yet, and not to warn so
+        holder.dl_state_dict = _state.state_dict(engine)  # not iterated yet, and not to warn so
         holder.use_stateful_dataloader = True
         engine._framework_snapshot = weakref.ref(holder)
         setattr(holder, slot, engine)
@@ -211,7 +231,7 @@ class _Lookahead:
         iterator = iter(engine)
         try:
             while True:
-                engine._user_state = engine._own_state_dict()
+                engine._user_state = _state.state_dict(engine)
                 try:
                     batch = next(iterator)
                 except StopIteration:
@@ -291,4 +311,4 @@ def loaded(loader) -> None:
     snapshot = loader.__dict__.get("_framework_snapshot")
     holder = snapshot() if snapshot is not None else None
     if holder is not None:  # Accelerate's adapter would report its stale snapshot until iter()
-        holder.dl_state_dict = loader._own_state_dict()
+        holder.dl_state_dict = _state.state_dict(loader)
