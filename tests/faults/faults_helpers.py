@@ -2,6 +2,8 @@
 listing, and running a loader until it fails (and when)."""
 from __future__ import annotations
 
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import time
 from dataclasses import dataclass
@@ -17,6 +19,24 @@ def shm_entries() -> set[str]:
         return set(os.listdir(SHM_DIR))
     except FileNotFoundError:
         return set()
+
+
+def multiprocessing_servers() -> set[int]:
+    """The pids of multiprocessing's own long-lived helpers in this process: the
+    fork server (torchfeed's forkserver preload starts it, in tests/test_scale.py
+    for one, and it serves the rest of the session by design) and the resource
+    tracker.  They are read from the stdlib's singletons, which know their
+    process exactly, so a worker (even one forked by the server) never passes
+    for one."""
+    pids = {getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+            getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)}
+    return {pid for pid in pids if pid is not None}
+
+
+def children_but_servers(process) -> list:
+    """``process``'s descendants (a psutil.Process), less multiprocessing's servers."""
+    servers = multiprocessing_servers()
+    return [p for p in process.children(recursive=True) if p.pid not in servers]
 
 
 @dataclass(frozen=True)
