@@ -35,7 +35,7 @@ from torch.utils.data import IterableDataset
 
 from ._chunked_sampler import iterate
 from ._datapipes import SharedSeed, is_iter_datapipe
-from ._protocol import StatefulResult
+from ._protocol import StatefulResult, WorkerResume
 from ._replay import Replay
 from ._rng import draw_base_seed, drawing_from, encode_host_rngs, encode_rng, replaying
 from ._sampler_state import epoch_state, may_draw_host_rngs, private_rngs, sampler_generators, stateful_sampler
@@ -130,14 +130,13 @@ class IndexStream(Replay):
         self.reread = 0              # batches to read and drop (stateless IterableDataset)
         self.exhausted_workers = set()  # workers whose last yielded batch exhausted their stream
         self.states_at_exhaustion: dict = {}  # worker -> its (dataset, iterator) state then
-        # What each worker loads: [dataset state or None, exhausted, iterator state or None].
-        self.resume_states = None
+        self.resume_states: list[WorkerResume] | None = None  # per worker, when resuming
         slots = max(1, self.num_workers)
         self.iterator_states = [None] * slots  # every epoch calls iter(dataset) anew
         if plan.worker_states is not None:
             its = plan.iterator_states or [None] * slots
-            self.resume_states = [[ws, w in plan.exhausted_workers, its[w]]
-                                for w, ws in enumerate(plan.worker_states)]
+            self.resume_states = [WorkerResume(ws, w in plan.exhausted_workers, its[w])
+                                  for w, ws in enumerate(plan.worker_states)]
             self.exhausted_workers = set(plan.exhausted_workers)
             self.worker_states = list(plan.worker_states)
             self.iterator_states = list(its)

@@ -1,7 +1,8 @@
 """The worker protocol: the messages between the main process and a worker.
 
 CONTRIBUTING's "Worker protocol" section describes the wire; these are the
-types on it.  Main → worker, on a worker's index queue: ``Task``,
+types on it.  A worker of a resumed epoch starts with a ``WorkerResume``.
+Main → worker, on a worker's index queue: ``Task``,
 ``ResumeIteration``, or ``None`` (exit).  Worker → main, on the shared result
 queue, as the payload of ``(send_idx, worker_id, payload, seconds)``: the
 transport's packed batch, possibly wrapped in a ``StatefulResult``; a
@@ -15,9 +16,17 @@ worker, the receiver, the iterators and the index stream share one definition.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._pin_memory import pin_memory
+
+
+class WorkerResume(NamedTuple):
+    """What one worker loads when an epoch resumes (``WorkerSpec.resume_states``)."""
+
+    dataset_state: Any   # loaded into its dataset copy before iterating; None: nothing
+    exhausted: bool      # the last batch the user got exhausted its stream
+    iterator_state: Any  # loaded into what iter(dataset) returns; None: nothing
 
 
 @dataclass

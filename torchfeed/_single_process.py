@@ -38,16 +38,17 @@ class SingleProcessIterator(BaseIterator):
         self._make_fetcher()
 
     def _make_fetcher(self) -> None:
-        resume = self._stream.resume_states
+        resumes = self._stream.resume_states
         self._stream.resume_states = None  # once: the dataset object keeps it from then on
-        if resume is not None and resume[0][0] is not None:
-            self._dataset.load_state_dict(resume[0][0])
+        resume = resumes[0] if resumes is not None else None  # the one "worker"
+        if resume is not None and resume.dataset_state is not None:
+            self._dataset.load_state_dict(resume.dataset_state)
         self._fetcher = create_fetcher(self._is_iterable, self._dataset, self._auto_collation,
                                        self._collate_fn, self._drop_last,
-                                       iterator_state=resume[0][2] if resume is not None else None)
+                                       iterator_state=resume.iterator_state if resume is not None else None)
         self._taker = (StateTaker(self._dataset, self._is_iterable)
                        if self._stream.ships_state else None)
-        if resume is not None and resume[0][1]:
+        if resume is not None and resume.exhausted:
             self._fetcher.exhausted = True  # the last batch yielded exhausted its stream
         elif self._is_iterable:
             # torch calls the dataset's __iter__ when the iterator is made, so

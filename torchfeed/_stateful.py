@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from typing import Any, NamedTuple
 
 from torch.utils.data import IterableDataset
 
@@ -81,6 +82,13 @@ def _take(obj, owner: str):
         return StateFailure(owner, f"{type(exc).__name__}: {exc}")
 
 
+class TakenState(NamedTuple):
+    """One dataset copy's state right after a batch; either part None when not Stateful."""
+
+    dataset_state: Any   # the dataset's (or a StateFailure)
+    iterator_state: Any  # the iterator's that iter(dataset) returned (or a StateFailure)
+
+
 class StateTaker:
     """Takes the ``(dataset state, iterator state)`` pair of one dataset copy after each batch."""
 
@@ -91,12 +99,12 @@ class StateTaker:
         self._iterator = None
         self._iterator_stateful = False
 
-    def take(self, iterator=None) -> tuple:
+    def take(self, iterator=None) -> TakenState:
         """The pair now; ``iterator``: what ``iter(dataset)`` returned this epoch, if called."""
         name = type(self.dataset).__name__
         if not self.is_iterable:
-            return (_take(self.dataset, f"dataset {name}") if self.dataset_stateful else None,
-                    None)
+            return TakenState(
+                _take(self.dataset, f"dataset {name}") if self.dataset_stateful else None, None)
         if iterator is not self._iterator:
             self._iterator = iterator
             self._iterator_stateful = iterator is not None and is_stateful(iterator)
@@ -105,7 +113,7 @@ class StateTaker:
         same = iterator is self.dataset
         ds_state = (_take(self.dataset, f"dataset {name}")
                     if self.dataset_stateful and not same else None)
-        return ds_state, it_state
+        return TakenState(ds_state, it_state)
 
 
 def take_state(taker, fetcher):

@@ -50,7 +50,7 @@ from ._errors import WorkerFailure, add_note
 from ._fetch import create_fetcher
 from ._pickling import describe_unpicklable, find_unpicklable
 from ._pipe_reader import wait_ready
-from ._protocol import IterableExhausted, ResumeIteration, StatefulResult, Task
+from ._protocol import IterableExhausted, ResumeIteration, StatefulResult, Task, WorkerResume
 from ._result_writer import ResultWriter
 from ._stateful import StateTaker, take_state
 from ._transport import Plain
@@ -72,9 +72,9 @@ class WorkerSpec:
     epoch: int
     seed_per_batch: bool
     main_pid: int
-    # A resume: each worker loads its [dataset state, exhausted, iterator state]
-    # entry (the dataset's before iterating, the iterator's after iter()).
-    resume_states: list | None = None
+    # A resume: what each worker loads (the dataset's state before iterating, the
+    # iterator's after iter()).
+    resume_states: list[WorkerResume] | None = None
     ships_state: bool = False  # send the (dataset, iterator) state with every batch
     shared_seed: int | None = None  # an IterDataPipe's (_datapipes.py)
 
@@ -209,9 +209,9 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     except Exception as exc:
         init_failure = WorkerFailure(exc, worker_id, "worker_init_fn")
     resume = spec.resume_states[worker_id] if spec.resume_states is not None else None
-    if init_failure is None and resume is not None and resume[0] is not None:
+    if init_failure is None and resume is not None and resume.dataset_state is not None:
         try:
-            dataset.load_state_dict(resume[0])
+            dataset.load_state_dict(resume.dataset_state)
         except Exception as exc:
             init_failure = WorkerFailure(exc, worker_id, "dataset.load_state_dict")
 
@@ -221,8 +221,8 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     epoch = spec.epoch
     fetcher = create_fetcher(spec.is_iterable, dataset, spec.auto_collation,
                              collate_fn, spec.drop_last,
-                             iterator_state=resume[2] if resume is not None else None)
-    if resume is not None and resume[1]:
+                             iterator_state=resume.iterator_state if resume is not None else None)
+    if resume is not None and resume.exhausted:
         fetcher.exhausted = True  # the last batch the user got exhausted its stream
     taker = StateTaker(dataset, spec.is_iterable) if spec.ships_state else None
     exhausted = False
@@ -321,7 +321,7 @@ def _run_task(task: Task, fetcher, taker, spec: WorkerSpec, worker_id: int, epoc
             return _unsendable(exc, describe_unpicklable(batch), worker_id, task)
         return WorkerFailure(exc, worker_id, "packing", task.indices, task.batch_index)
     short = fetcher.last_size if spec.is_iterable else None  # the samples a short batch holds
-    if state is not None and state[0] is None and state[1] is None:
+    if state is not None and state.dataset_state is None and state.iterator_state is None:
         state = None  # nothing Stateful here: the batch goes unwrapped, as without state
     if (spec.ships_state and state is not None) or short is not None:
         return StatefulResult(payload, state, getattr(fetcher, "exhausted", False), short)
