@@ -6,7 +6,8 @@ Two transports share one interface:
   a batch into one reusable slot of nameless shared memory (a memfd) and sends
   a message of a few hundred bytes; the main process rebuilds the batch as
   zero-copy views of the slot and hands the slot back to the worker when the
-  last view dies. See ``_shm.py`` (channel, packer, unpacker), ``_slots.py``
+  last view dies. See ``_shm.py`` (the channel), ``_packer.py`` (the worker's
+  side), ``_unpacker.py`` (the main process's side), ``_slots.py``
   (arenas, control block, pools), ``_layout.py`` (flatten/rebuild of nested
   batches), ``_collate.py`` (default_collate straight into a slot),
   ``_stream.py`` (big arrays copied into the slot as each sample arrives) and
@@ -48,9 +49,11 @@ from .._options import TRANSPORT_ENV as ENV_TRANSPORT
 from .._options import TRANSPORTS, resolve_transport  # the loader's: one check, one message
 from . import _slots, _space
 from ._collate import is_default_collate
-from ._shm import Packer, Plain, ShmChannel, ShmFallbackWarning, Unpacker
+from ._packer import Packer, Plain, ShmFallbackWarning
+from ._shm import ShmChannel
 from ._space import ENV_LIMIT, SpaceCheck, check_space
 from ._stream import SampleStream
+from ._unpacker import Unpacker
 
 # Below this per-worker budget the slots would not be worth having.
 MIN_BYTES_PER_WORKER = 2 * _slots.REGION_ALIGN + _slots.CTRL_BYTES

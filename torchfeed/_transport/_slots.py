@@ -25,7 +25,7 @@ epoch of a persistent loader, the main process gives the memory of every free
 slot but one small one per worker back to the system and marks those ``PUNCHED``
 (``Unpacker.trim``), and does the same for slots released while the loader is
 idle; the worker then forgets them. So an idle loader holds at most one slot
-of at most 1 MiB per worker (``_shm.IDLE_KEEP_BYTES``). While batches flow, slots are kept and reused.
+of at most 1 MiB per worker (``_unpacker.IDLE_KEEP_BYTES``). While batches flow, slots are kept and reused.
 
 Every region is allocated with ``posix_fallocate`` before it is mapped, so a
 shortage is an ``OSError`` (ENOSPC/ENOMEM), never a SIGBUS on first touch.
@@ -44,6 +44,7 @@ import errno
 import mmap
 import os
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -67,6 +68,16 @@ GENERATION_SHIFT = 40
 
 def uid_generation(uid: int) -> int:
     return uid >> GENERATION_SHIFT
+
+
+class NoSlot(NamedTuple):
+    """Why ``WorkerPool.acquire`` had no slot for a batch."""
+
+    kind: str  # "pool": max_slots held already; "budget": over the bytes; "oserror": allocation failed
+    slot_bytes: int  # the slot it would have made
+    pool_bytes: int  # what the pool would have held with it
+    batch_bytes: int
+    error: str = ""  # the OSError's text, for "oserror"
 
 # int64 counters at byte 8 of the control block, written by the worker only.
 C_ALLOCATIONS, C_RETIRED, C_BYTES, C_SLOTS, C_FALLBACKS, C_PACKED, C_DIRECT = range(7)
@@ -229,7 +240,7 @@ class WorkerPool:
         self.uid = generation << GENERATION_SHIFT
 
     def acquire(self, nbytes: int, exclude=None):
-        """``(slot, None)``, or ``(None, reason)`` when no slot can be had."""
+        """``(slot, None)``, or ``(None, NoSlot)`` when no slot can be had."""
         states = self.states
         best = None
         free = []
@@ -278,9 +289,9 @@ class WorkerPool:
         headroom = nbytes // 16 if self.sizes_vary else 0
         cap = max(REGION_ALIGN, _round_up(nbytes + headroom, REGION_ALIGN))
         if not self.free_idx or len(self.slots) >= self.max_slots:
-            return None, ("pool", len(self.slots), self.bytes, cap)
+            return None, NoSlot("pool", cap, self.bytes + cap, nbytes)
         if self.bytes + cap > self.budget:
-            return None, ("budget", self.bytes + cap, self.budget, nbytes)
+            return None, NoSlot("budget", cap, self.bytes + cap, nbytes)
         off = self._take_region(cap)
         try:
             os.posix_fallocate(self.fd, off, cap)
@@ -288,7 +299,7 @@ class WorkerPool:
         except OSError as e:
             punch_hole(self.fd, off, cap)
             self._give_region(off, cap)
-            return None, ("oserror", str(e), cap, nbytes)
+            return None, NoSlot("oserror", cap, self.bytes + cap, nbytes, str(e))
         idx = self.free_idx.pop()
         self.uid += 1
         slot = WorkerSlot(idx, self.uid, off, cap, arr)

@@ -1,0 +1,244 @@
+"""The main process's side of the shared-memory transport: rebuilding a batch
+as views of its slot, and handing the slot back.
+
+The unpacker gives each batch a fresh ``SlotOwner`` view of its slot as owner,
+and a weak reference to it; the callback, run when the last view of the batch
+dies (in whatever thread drops it), flips the slot's state byte back to FREE.
+``discard(payload)`` frees a slot whose batch will never be built. Between
+epochs, ``trim()`` gives back the memory of every free slot but one small one
+per worker (``IDLE_KEEP_BYTES``), and slots released while the loader is idle
+follow suit.
+
+Ending: ``close()`` gives back the memory of every slot no batch in the user's
+hands still uses, closes the descriptors, and frees the remaining slots as
+their batches die.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import _layout, _slots
+from ._packer import Inline, Plain, ShmFallbackWarning
+
+if TYPE_CHECKING:
+    from ._shm import ShmChannel
+
+# Slots still held by the user when their unpacker closed, until they die.
+# Module-level so that the weak references that watch them stay reachable.
+_HELD_AFTER_CLOSE: dict = {}
+
+# The largest slot a worker keeps while the loader is idle between epochs.
+# Bigger ones (image batches of 64 are ~10 MiB) are given back, as torch's
+# loader holds no shared memory when idle; the next epoch's first batch per
+# worker then fills a fresh slot, once.
+IDLE_KEEP_BYTES = 1 << 20
+
+
+class Unpacker:
+    """Main side: rebuilds batches as views of the slots and recycles the slots."""
+
+    def __init__(self, channel: ShmChannel):
+        self._channel = channel
+        self._fds = channel.fds
+        self._ctrl = [_slots.ControlBlock(fd) for fd in self._fds]
+        self._cache: list[dict] = [dict() for _ in self._fds]
+        self._lock = threading.Lock()
+        self._warned = channel.disabled_warning is not None
+        self.closed = False
+        self.in_use = 0
+        self.in_use_bytes = 0
+        # While the loader is idle (after trim()), a released slot gives its
+        # memory back if its worker already has a free one. Not while batches
+        # flow: reusing slots is what makes the transport fast.
+        self.idle = False
+        self.unpacked = 0
+        self.fallbacks = 0
+
+    def _slot(self, w, idx, uid, off, cap):
+        entry = self._cache[w].get(idx)
+        if entry is None or entry.uid != uid:
+            if _slots.uid_generation(uid) != self._channel.generation(w):
+                raise RuntimeError(f"torchfeed transport: a batch from worker {w}'s previous "
+                                   "arena arrived after the arena was renewed (a bug; please "
+                                   "report it)")
+            entry = _slots.MainSlot(self._fds[w], uid, off, cap,
+                                    self._release_fn(w, self._ctrl[w].states, idx, cap))
+            self._cache[w][idx] = entry
+        return entry
+
+    def _release_fn(self, w, states, idx, cap):
+        me = weakref.ref(self)
+        FREE = _slots.FREE
+
+        def release(_ref):
+            self_ = me()
+            if self_ is not None:
+                self_.in_use -= 1
+                self_.in_use_bytes -= cap
+                cache = self_._cache[w] if self_.idle and not self_.closed else {}
+                # A snapshot: the pin thread may add a slot to the cache meanwhile.
+                for j in tuple(cache):
+                    if j != idx and states[j] == FREE:
+                        # Idle, and the worker has a free slot already.
+                        entry = cache.get(idx)
+                        if entry is not None and _punch(entry, states, idx):
+                            return
+                        break
+            states[idx] = FREE
+        return release
+
+    def trim(self) -> None:
+        """Give back the memory of every free slot but one per worker: the
+        smallest, and only while it is at most ``IDLE_KEEP_BYTES``. A slot
+        grown for a huge batch goes even when it is its worker's only one:
+        the worker's last small batches may all have gone into it, and an
+        idle loader should not sit on it. Call only while no worker builds a
+        batch: between epochs."""
+        if self.closed:
+            return
+        self.idle = True  # and batches released while idle follow suit
+        for w, cache in enumerate(self._cache):
+            states = self._ctrl[w].states
+            free = sorted((e.cap, idx) for idx, e in cache.items() if states[idx] == _slots.FREE)
+            keep = 1 if free and free[0][0] <= IDLE_KEEP_BYTES else 0
+            for _, idx in free[keep:]:
+                _punch(cache[idx], states, idx)
+
+    def unpack(self, payload):
+        """The batch carried by ``payload``: zero-copy views of its slot."""
+        if type(payload) is not tuple:
+            return self._plain(payload)
+        if self.closed:
+            raise RuntimeError("torchfeed: unpack() after the transport was closed")
+        w, idx, uid, off, cap, data, descs = payload
+        entry = self._slot(w, idx, uid, off, cap)
+        if entry.ref is not None and entry.ref() is not None:
+            raise RuntimeError(f"torchfeed transport: worker {w} reused slot {idx} while a "
+                               "batch in it was still alive (a bug; please report it)")
+        owner = entry.base.view(_layout.SlotOwner)
+        entry.ref = weakref.ref(owner, entry.release)
+        self.idle = False
+        self.in_use += 1
+        self.in_use_bytes += entry.cap
+        self.unpacked += 1
+        return _layout.load(data, descs, owner)
+
+    def _plain(self, payload):
+        if type(payload) is Inline:
+            self.fallbacks += 1
+            owner = np.frombuffer(payload.buf, np.uint8).view(_layout.SlotOwner)
+            return _layout.load(payload.data, payload.descs, owner)
+        if type(payload) is not Plain:
+            raise TypeError(f"torchfeed: not a transport payload: {type(payload).__name__}")
+        self.fallbacks += 1
+        if payload.warning is not None and not self._warned:
+            self._warned = True
+            warnings.warn(payload.warning, ShmFallbackWarning, stacklevel=3)
+        return payload.batch
+
+    def discard(self, payload) -> None:
+        """Free the slot of a payload that will never be unpacked."""
+        if type(payload) is tuple and not self.closed:
+            w, idx, uid = payload[0], payload[1], payload[2]
+            if _slots.uid_generation(uid) == self._channel.generation(w):
+                entry = self._cache[w].get(idx)
+                if entry is not None and entry.uid != uid:
+                    # Stale: it maps the region of a slot since retired, which
+                    # trim() must never give back.
+                    del self._cache[w][idx]
+                self._ctrl[w].states[idx] = _slots.FREE
+
+    def stats(self) -> dict:
+        """Slot counters summed over the workers, plus this process's view.
+
+        ``slots``/``bytes``: slots the workers hold now and their capacity;
+        ``allocations``/``retired``: slots created/given back so far;
+        ``in_use``/``in_use_bytes``: batches rebuilt here and still referenced;
+        ``fallbacks``: batches that had no slot (inline, or torch's way);
+        ``direct_bytes``: bytes stacked straight into slots by the direct collate."""
+        tot: dict[str, Any] = {"slots": 0, "bytes": 0, "allocations": 0, "retired": 0, "packed": 0,
+               "worker_fallbacks": 0, "direct_bytes": 0}
+        if not self.closed:
+            for ctrl in self._ctrl:
+                c = ctrl.counters
+                tot["slots"] += int(c[_slots.C_SLOTS])
+                tot["bytes"] += int(c[_slots.C_BYTES])
+                tot["allocations"] += int(c[_slots.C_ALLOCATIONS])
+                tot["retired"] += int(c[_slots.C_RETIRED])
+                tot["packed"] += int(c[_slots.C_PACKED])
+                tot["worker_fallbacks"] += int(c[_slots.C_FALLBACKS])
+                tot["direct_bytes"] += int(c[_slots.C_DIRECT])
+        tot.update(transport="shm", in_use=self.in_use, in_use_bytes=self.in_use_bytes,
+                   unpacked=self.unpacked, fallbacks=self.fallbacks, closed=self.closed)
+        return tot
+
+    def close(self) -> None:
+        """Release everything; slots of batches the user still holds go when those die."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        for w, fd in enumerate(self._fds):
+            if fd >= 0:
+                self._let_go(self._cache[w], fd, counted=False)
+        self._cache = [dict() for _ in self._fds]
+        self._ctrl = []
+        self._channel.close_descriptors()
+
+    def renew(self, w: int, old_fd: int) -> None:
+        """Worker ``w`` has a fresh arena (``ShmChannel.renew``); let go of the old
+        one, whose descriptor ``old_fd`` this closes."""
+        cache, self._cache[w] = self._cache[w], {}
+        self._ctrl[w] = _slots.ControlBlock(self._fds[w])
+        if old_fd >= 0:
+            self._let_go(cache, old_fd, counted=True)
+            os.close(old_fd)
+
+    def _let_go(self, cache: dict, fd: int, counted: bool) -> None:
+        """Give back the memory of arena ``fd``: now for slots no batch uses, when
+        its batch dies for each slot still in the user's hands. ``counted``: those
+        batches still count in ``in_use`` until they die."""
+        keep = []
+        for entry in cache.values():
+            owner = entry.ref() if entry.ref is not None else None
+            if owner is not None:
+                keep.append((entry.off, entry.cap))
+                key = id(entry)
+                _HELD_AFTER_CLOSE[key] = entry
+                entry.release = None
+                unpacker = weakref.ref(self) if counted else None
+                entry.ref = weakref.ref(owner, _punch_on_release(entry.map, key, unpacker,
+                                                                 entry.cap))
+                del owner
+        _slots.punch(fd, keep)
+
+
+def _punch(entry, states, idx) -> bool:
+    """Give a free slot's memory back and tell its worker; False if it could not."""
+    try:
+        entry.map.remove()
+    except OSError:
+        return False
+    states[idx] = _slots.PUNCHED
+    return True
+
+
+def _punch_on_release(shared_map, key, unpacker=None, cap=0):
+    def release(_ref):
+        _HELD_AFTER_CLOSE.pop(key, None)
+        self_ = unpacker() if unpacker is not None else None
+        if self_ is not None:
+            self_.in_use -= 1
+            self_.in_use_bytes -= cap
+        try:
+            shared_map.remove()
+        except Exception:  # noqa: BLE001 - the pages go back with the process anyway
+            pass
+    return release
