@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data import Dataset
 
 import torchfeed
-from torchfeed import frameworks
+from torchfeed import _prepared
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,7 +39,7 @@ def ids(batches):
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(frameworks, "_warned", set())
+    monkeypatch.setattr(_prepared, "_warned", set())
 
 
 # -- Accelerate, one process ----------------------------------------------------------
@@ -178,7 +178,7 @@ def test_accelerate_prepare_of_a_torchfeed_loader_warns_once(new_accelerator, fr
     assert type(loader.batch_sampler) is BatchSampler and type(loader.sampler) is RandomSampler
     assert "_is_accelerate_prepared" not in vars(loader)
 
-    frameworks._warned.clear()
+    _prepared._warned.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the supported way, and preparing its result again
         supported = torchfeed.prepare(accelerator.prepare, torchfeed.DataLoader(Ids(), batch_size=4))

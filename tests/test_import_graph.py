@@ -17,12 +17,7 @@ import torchfeed
 PACKAGE = pathlib.Path(torchfeed.__file__).parent
 
 # Known, with why; fixing one means deleting it here.
-KNOWN_CYCLES = {
-    # frameworks.prepare builds torchfeed.DataLoaders (imported in the function),
-    # and the DataLoader calls frameworks.py's hooks (prepared_engine,
-    # frameworks_warning, loaded, ...), which alone touch what prepare keeps on a loader.
-    frozenset({"torchfeed.dataloader", "torchfeed.frameworks"}),
-}
+KNOWN_CYCLES: set = set()
 
 
 def _modules() -> dict[str, tuple[pathlib.Path, bool]]:

@@ -21,10 +21,7 @@ from ._errors import nested_worker_error
 from ._iterator_base import BaseIterator
 from ._multiprocess import MultiProcessIterator
 from ._options import resolve_log_every, resolve_transport, validate_max_worker_restarts, validate_options
-from ._single_process import SingleProcessIterator
-from ._stats import empty_stats
-from ._stats_report import LoaderStats
-from .frameworks import (
+from ._prepared import (
     accelerate_rebuilds,
     framework_snapshot,
     frameworks_warning,
@@ -32,6 +29,9 @@ from .frameworks import (
     prepared_engine,
     read_ahead_state,
 )
+from ._single_process import SingleProcessIterator
+from ._stats import empty_stats
+from ._stats_report import LoaderStats
 
 T_co = TypeVar("T_co", covariant=True)
 
