@@ -37,7 +37,15 @@ def iterate(index_sampler) -> Iterator:
 
 
 def _random_indices(sampler: RandomSampler) -> Iterator[int]:
-    # torch's RandomSampler.__iter__, step for step, with the lists made per chunk.
+    # Each index comes out of C (chain over a list): no Python frame resumes per
+    # index, where yield-from delegation through two generators resumed two.
+    return itertools.chain.from_iterable(_random_lists(sampler))
+
+
+def _random_lists(sampler: RandomSampler) -> Iterator[list]:
+    # torch's RandomSampler.__iter__, step for step, with the lists made per chunk:
+    # the seed is drawn at the first next(), each randperm when the pass before
+    # it is used up, as torch's generator does.
     n = len(sampler.data_source)
     if sampler.generator is None:
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
@@ -46,15 +54,19 @@ def _random_indices(sampler: RandomSampler) -> Iterator[int]:
     else:
         generator = sampler.generator
     for _ in range(sampler.num_samples // n):
-        yield from chunks(torch.randperm(n, generator=generator))
-    yield from chunks(torch.randperm(n, generator=generator)[: sampler.num_samples % n])
+        yield from _lists(torch.randperm(n, generator=generator))
+    yield from _lists(torch.randperm(n, generator=generator)[: sampler.num_samples % n])
 
 
 def chunks(order: torch.Tensor) -> Iterator[int]:
     """The ints of a 1-D tensor, in order, converted ``CHUNK`` at a time."""
+    return itertools.chain.from_iterable(_lists(order))
+
+
+def _lists(order: torch.Tensor) -> Iterator[list]:
     step = CHUNK
     for start in range(0, len(order), step):
-        yield from order[start:start + step].tolist()
+        yield order[start:start + step].tolist()
 
 
 def _batches(batch_sampler: BatchSampler, indices: Iterator[int]) -> Iterator[list]:
