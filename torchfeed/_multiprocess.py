@@ -39,10 +39,10 @@ from typing import Any, NamedTuple
 import torch
 
 from ._errors import WorkerFailure, describe_dead_worker
+from ._ipc import WAIT_SLICE, close_queue
 from ._iterator_base import BaseIterator
 from ._pin_memory import PinMemoryThread, pass_through_requested
-from ._pipe_reader import WAIT_SLICE
-from ._processes import close_queue, launch_worker, launched_at, stop_workers
+from ._processes import launch_worker, launched_at, stop_workers
 from ._protocol import IterableExhausted, ResumeIteration, StatefulUnpacker, Task
 from ._receive import ResultReceiver
 from ._restart import WorkerDied, WorkerRestarts

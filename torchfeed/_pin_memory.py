@@ -22,7 +22,7 @@ from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 import torch
 
 from ._errors import WorkerFailure
-from ._pipe_reader import WAIT_SLICE
+from ._ipc import WAIT_SLICE
 
 # Lets the thread's plumbing run (and be tested) on a machine with no
 # accelerator: batches pass through it unpinned.  A debugging aid only.

@@ -53,7 +53,7 @@ import time
 import warnings
 import weakref
 
-from ._index_queue import IndexQueue
+from ._ipc import IndexQueue
 from ._pickling import describe_unpicklable
 from ._stack_dump import StackPipe
 from ._worker import WorkerSpec, worker_loop
@@ -220,14 +220,6 @@ def stop_workers(workers, index_queues) -> None:
         if process.is_alive():
             process.kill()
             process.join(timeout=0.5)
-
-
-def close_queue(q) -> None:
-    q.cancel_join_thread()
-    q.close()
-    feeder = getattr(q, "_thread", None)
-    if feeder is not None and feeder is not threading.current_thread():
-        feeder.join(timeout=1.0)
 
 
 def _unpicklable(value) -> bool:

@@ -16,7 +16,7 @@ sets ``stopped`` when it shuts down.
 NOTE [ Waiting without hanging ]
 The main process never blocks on the result queue alone.  It waits on the
 queue's pipe *and* every live worker's process sentinel at once
-(one ``poll``, see ``_pipe_reader.wait_ready``), so a worker that dies from SIGKILL, a
+(one ``poll``, see ``_ipc.wait_ready``), so a worker that dies from SIGKILL, a
 segfault or ``os._exit`` wakes it immediately, and the error names that
 worker's pid, its signal or exit code and the batches it had in flight.
 torch instead polls every 5 seconds and relies on a SIGCHLD handler.
@@ -27,7 +27,7 @@ import collections
 import pickle
 
 from ._errors import WorkerFailure
-from ._pipe_reader import HalfMessage, MessageReader, Stopped, wait_ready
+from ._ipc import HalfMessage, MessageReader, Stopped, wait_ready
 from ._protocol import IterableExhausted
 from ._restart import WorkerDied
 from ._transport import fd_exhaustion_error
@@ -39,8 +39,7 @@ class ResultReceiver:
     """The next result off the result queue, or the death of a worker that owes one."""
 
     def __init__(self, result_queue, unpacker, stats, workers: list, worker_active: list):
-        self.result_queue = result_queue
-        self.messages = MessageReader(result_queue._reader)
+        self.messages = MessageReader(result_queue)
         self.unpacker = unpacker
         self.stats = stats
         self.workers = workers                # a restarted worker replaces its own entry
@@ -92,9 +91,6 @@ class ResultReceiver:
         for an acknowledgement (ResumeIteration), (marker, worker_id).  None for
         a message from worker ``dead`` that cannot be rebuilt."""
         raw = self.messages.read(sentinels or {}, lambda: self.stopped, dead, ready)
-        sem = getattr(self.result_queue, "_sem", None)
-        if sem is not None:
-            sem.release()  # what Queue.get does: the queue's size bound
         message = pickle.loads(raw)
         send_idx, worker_id, blob, seconds = message[:4]
         if len(message) > 4:  # a worker's first message: when it started, its memory then

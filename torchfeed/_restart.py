@@ -42,7 +42,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from ._errors import describe_exit
-from ._pipe_reader import HalfMessage
+from ._ipc import HalfMessage, write_lock
 
 if TYPE_CHECKING:  # both import this module
     from ._multiprocess import TaskInfo
@@ -182,7 +182,7 @@ class WorkerRestarts:
         the pipe holds only whole messages (half of one raises ``HalfMessage``), so
         releasing the lock on its behalf is safe."""
         receiver = self._receiver
-        lock = getattr(self._result_queue, "_wlock", None)
+        lock = write_lock(self._result_queue)
         quiet_since = _now()
         while True:
             try:

@@ -9,7 +9,7 @@ copy and its iterator reported right after making it: ``_stateful.py``), a
 ``WorkerFailure`` or an ``IterableExhausted``
 marker, and seconds is the time fetch + collate + pack + pickle took (for
 ``DataLoader.stats()``).  Small messages are written by the worker's main
-thread itself (``_result_writer.py``), larger ones by the queue's feeder thread.
+thread itself (``_ipc.ResultWriter``), larger ones by the queue's feeder thread.
 A worker's first messages also carry ``(launched_at, ready_at, private bytes)``:
 when the main process started it and when it was ready for its first task
 (``time.monotonic()``, one clock for all processes), and its private memory
@@ -48,10 +48,9 @@ from . import _seeding, _stack_dump
 from ._datapipes import seed_graph, shard_graph
 from ._errors import WorkerFailure, add_note
 from ._fetch import create_fetcher
+from ._ipc import ResultWriter, become_write_only, reader_fd, wait_ready
 from ._pickling import describe_unpicklable, find_unpicklable
-from ._pipe_reader import wait_ready
 from ._protocol import IterableExhausted, ResumeIteration, StatefulResult, Task, WorkerResume
-from ._result_writer import ResultWriter
 from ._stateful import StateTaker, take_state
 from ._transport import Plain
 
@@ -188,12 +187,11 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     threading.Thread(target=_watch_main_process, args=(spec.main_pid, parent_pid),
                      name="torchfeed-watchdog", daemon=True).start()
     # Nobody else reads the result queue in a worker; holding its read end open
-    # would keep a dead main process's pipe alive.
-    result_queue._reader.close()
-    # Then a write that fails with EPIPE means the main process is gone: the
-    # watchdog ends us in a moment, and the feeder thread's traceback would
-    # only bury the main process's own error (or its clean Ctrl-C) in noise.
-    result_queue._ignore_epipe = True
+    # would keep a dead main process's pipe alive.  Then a write that fails
+    # with EPIPE means the main process is gone: the watchdog ends us in a
+    # moment, and the feeder thread's traceback would only bury the main
+    # process's own error (or its clean Ctrl-C) in noise.
+    become_write_only(result_queue)
 
     torch.set_num_threads(1)
     seed = _seeding.seed_worker(spec.base_seed, worker_id)
@@ -227,7 +225,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     taker = StateTaker(dataset, spec.is_iterable) if spec.ships_state else None
     exhausted = False
     results = ResultWriter(result_queue)
-    index_fds = [index_queue._reader.fileno()]
+    index_fds = [reader_fd(index_queue)]
     plain_tuples = packer.plain_tuples
     # Sent with the first message, and with the USS with the second: reading
     # it walks the page tables of everything inherited (tens to hundreds of

@@ -6,7 +6,8 @@ hand-over in the main process, which is a large share of its per-batch CPU
 when batches are small.  ``IndexQueue.put`` writes the same wire format
 (``Connection.send_bytes`` of a pickle: a 4-byte big-endian length, then the
 pickle) to the pipe itself, so the worker still reads it with
-``Queue.get``.
+``Queue.get``.  The framing is ``_framing.py``'s, shared with the result
+queue's writer and reader.
 
 A direct write must never block the main thread: a worker that died, or is
 busy with a long task while the pipe is full, would hang it.  So the pipe's
@@ -23,12 +24,10 @@ from __future__ import annotations
 
 import os
 import pickle
-import select
-import struct
-import threading
 from multiprocessing.reduction import ForkingPickler
 
-PIPE_BUF = getattr(select, "PIPE_BUF", 512)  # POSIX guarantees at least 512
+from ._framing import PIPE_BUF, frame
+from ._mp_queue import close_queue, size_semaphore, writer_fd
 
 
 def _dumps(obj) -> bytes | memoryview:
@@ -45,38 +44,33 @@ class IndexQueue:
     def __init__(self, ctx) -> None:
         self.queue = ctx.Queue()
         self.queue.cancel_join_thread()
-        self._fd = self.queue._writer.fileno()
+        self._fd = writer_fd(self.queue)
         os.set_blocking(self._fd, False)
+        sem = size_semaphore(self.queue)
+        self._take_slot, self._give_slot = sem.acquire, sem.release
         self._direct = True
+        self._closed = False  # only close() closes the queue
 
     def put(self, obj) -> None:
-        q = self.queue
         if self._direct:
-            if q._closed:
-                raise ValueError(f"Queue {q!r} is closed")
-            body = _dumps(obj)
-            message = struct.pack("!i", len(body)) + body
+            if self._closed:
+                raise ValueError(f"Queue {self.queue!r} is closed")
+            message = frame(_dumps(obj))
             if len(message) <= PIPE_BUF:
                 # Queue.get in the worker releases the size semaphore, so take it
                 # as Queue.put would (the queue is unbounded: this never waits).
-                q._sem.acquire()
+                self._take_slot()
                 try:
                     os.write(self._fd, message)
                     return
                 except BlockingIOError:
-                    q._sem.release()
+                    self._give_slot()
             self._direct = False
             os.set_blocking(self._fd, True)  # the feeder thread's writes block
-        q.put(obj)
+        self.queue.put(obj)
 
     def close(self) -> None:
         """Close the queue; with no feeder thread, close its pipe ends too
         (``Queue.close`` leaves that to the feeder, which may never have run)."""
-        q = self.queue
-        q.cancel_join_thread()
-        q.close()
-        if q._thread is None:
-            q._reader.close()
-            q._writer.close()
-        elif q._thread is not threading.current_thread():
-            q._thread.join(timeout=1.0)
+        self._closed = True
+        close_queue(self.queue, close_pipe_ends=True)

@@ -3,7 +3,7 @@
 ``multiprocessing.Queue.put`` hands each result to a feeder thread that
 pickles and writes it, so every batch costs the worker a thread wakeup and a
 GIL hand-over: a visible share of a small batch's cost.  ``ResultWriter.put``
-writes the same wire format (see ``_index_queue.py``) itself, under the
+writes the same wire format (``_framing.py``) itself, under the
 queue's write lock, which all workers share, so it never interleaves with
 another worker's (possibly larger, split) write.
 
@@ -22,28 +22,28 @@ from __future__ import annotations
 
 import os
 import pickle
-import struct
 
-from ._index_queue import PIPE_BUF
+from ._framing import PIPE_BUF, frame
+from ._mp_queue import size_semaphore, write_lock, writer_fd
 
 
 class ResultWriter:
     def __init__(self, result_queue) -> None:
         self.queue = result_queue
-        self._fd = result_queue._writer.fileno()
+        self._fd = writer_fd(result_queue)
+        self._take_slot = size_semaphore(result_queue).acquire
+        self._lock = write_lock(result_queue)
         self._direct = True
 
     def put(self, obj) -> None:
-        q = self.queue
         if self._direct:
             # The envelope is plain data (the payload inside is already
             # pickled), so pickle's C pickler will do: ForkingPickler copies
             # two dispatch tables per call.
-            body = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
-            message = struct.pack("!i", len(body)) + body
+            message = frame(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
             if len(message) <= PIPE_BUF:
-                q._sem.acquire()  # the main process releases it per message read
-                lock = q._wlock
+                self._take_slot()  # the main process releases it per message read
+                lock = self._lock
                 if lock is not None:
                     lock.acquire()
                 try:
@@ -53,7 +53,7 @@ class ResultWriter:
                         lock.release()
                 return
             self._direct = False
-        q.put(obj)
+        self.queue.put(obj)
 
 
 def _write_all(fd: int, data: bytes) -> None:

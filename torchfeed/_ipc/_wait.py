@@ -1,0 +1,43 @@
+"""Waiting on pipes and process sentinels: ``wait_ready`` and ``WAIT_SLICE``.
+
+The main process waits on the result queue's pipe and every live worker's
+sentinel at once; a worker waits on its index queue's pipe between checks that
+the main process is alive.  No wait anywhere in the main process is longer
+than ``WAIT_SLICE``, so timeouts, dead writers and stop requests are noticed
+within it.
+"""
+from __future__ import annotations
+
+import math
+import select
+import threading
+
+WAIT_SLICE = 0.1   # longest single wait, so timeouts, dead writers and stop requests are noticed
+
+_pollers = threading.local()
+
+
+def wait_ready(fds, timeout: float | None) -> list:
+    """The file descriptors among ``fds`` that are readable (or closed, or in
+    error), waiting up to ``timeout`` seconds: ``connection.wait`` for plain
+    fds, without building and tearing down a selector on every call, which is
+    most of its cost when it runs once or twice per batch.  One poll object per
+    thread and set of fds (a fd number reused by a new worker's sentinel means
+    the same to poll, so the cache needs no invalidation)."""
+    key = tuple(fds)
+    cache = getattr(_pollers, "cache", None)
+    if cache is None:
+        cache = _pollers.cache = {}
+    poller = cache.get(key)
+    if poller is None:
+        if len(cache) > 16:  # sentinel sets change only when workers retire or restart
+            cache.clear()
+        poller = cache[key] = select.poll()
+        for fd in key:
+            poller.register(fd, select.POLLIN)
+    ms = -1 if timeout is None else max(0, math.ceil(timeout * 1000))
+    while True:
+        try:
+            return [fd for fd, event in poller.poll(ms) if event & ~select.POLLOUT]
+        except InterruptedError:  # pragma: no cover - PEP 475 retries poll itself
+            continue
