@@ -201,7 +201,7 @@ def test_holding_every_batch_and_slot_reuse_across_epochs():
     for _ in range(2):
         for b in loader:
             del b
-    st = it._channel.stats()
+    st = it._unpacker.stats()  # what DataLoader.stats() reads
     before = st["allocations"]
     for _ in range(3):
         for b in loader:
@@ -209,7 +209,7 @@ def test_holding_every_batch_and_slot_reuse_across_epochs():
     # Between epochs each worker keeps one slot (an idle loader holds no
     # more); within an epoch of 16 batches the slots are reused, so it
     # allocates at most prefetch_factor slots per worker again.
-    assert it._channel.stats()["allocations"] - before <= 3 * 2 * 2
+    assert it._unpacker.stats()["allocations"] - before <= 3 * 2 * 2
 
 
 def _leftovers(shm_before):
