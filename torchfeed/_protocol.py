@@ -86,12 +86,5 @@ class StatefulUnpacker:
                                   payload.exhausted, payload.samples)
         return self._inner.unpack(payload)
 
-    def discard(self, payload) -> None:
-        if type(payload) is StatefulResult:
-            payload = payload.value
-        discard = getattr(self._inner, "discard", None)
-        if discard is not None:
-            discard(payload)
-
     def __getattr__(self, name):
         return getattr(self._inner, name)
