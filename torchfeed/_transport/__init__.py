@@ -26,7 +26,6 @@ Usage::
     # main process:
     unpacker = channel.unpacker()
     batch = unpacker.unpack(payload)
-    unpacker.discard(payload)               # a payload that will never be unpacked
     unpacker.stats()
     unpacker.close()                        # when the iterator ends
 
@@ -177,9 +176,6 @@ class _IdentityUnpacker:
         self.unpacked += 1
         return payload
 
-    def discard(self, payload):
-        pass
-
     def stats(self):
         return {"transport": "torch", "slots": 0, "bytes": 0, "allocations": 0,
                 "retired": 0, "packed": 0, "worker_fallbacks": 0, "direct_bytes": 0, "in_use": 0,
@@ -209,9 +205,3 @@ class TorchChannel:
 
     def renew(self, worker_id: int) -> None:
         pass  # torch's reductions hold no slots a replacement could overwrite
-
-    def stats(self):
-        return self.unpacker().stats()
-
-    def close(self):
-        self.unpacker().close()

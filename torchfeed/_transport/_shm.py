@@ -143,12 +143,3 @@ class ShmChannel:
         if self._unpacker is None:
             self._unpacker = Unpacker(self)
         return self._unpacker
-
-    def stats(self) -> dict:
-        return self.unpacker().stats()
-
-    def close(self) -> None:
-        if self._unpacker is not None:
-            self._unpacker.close()
-        else:
-            self._finalizer()

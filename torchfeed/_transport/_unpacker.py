@@ -4,8 +4,7 @@ as views of its slot, and handing the slot back.
 The unpacker gives each batch a fresh ``SlotOwner`` view of its slot as owner,
 and a weak reference to it; the callback, run when the last view of the batch
 dies (in whatever thread drops it), flips the slot's state byte back to FREE.
-``discard(payload)`` frees a slot whose batch will never be built. Between
-epochs, ``trim()`` gives back the memory of every free slot but one small one
+Between epochs, ``trim()`` gives back the memory of every free slot but one small one
 per worker (``IDLE_KEEP_BYTES``), and slots released while the loader is idle
 follow suit.
 
@@ -142,18 +141,6 @@ class Unpacker:
             self._warned = True
             warnings.warn(payload.warning, ShmFallbackWarning, stacklevel=3)
         return payload.batch
-
-    def discard(self, payload) -> None:
-        """Free the slot of a payload that will never be unpacked."""
-        if type(payload) is tuple and not self.closed:
-            w, idx, uid = payload[0], payload[1], payload[2]
-            if _slots.uid_generation(uid) == self._channel.generation(w):
-                entry = self._cache[w].get(idx)
-                if entry is not None and entry.uid != uid:
-                    # Stale: it maps the region of a slot since retired, which
-                    # trim() must never give back.
-                    del self._cache[w][idx]
-                self._ctrl[w].states[idx] = _slots.FREE
 
     def stats(self) -> dict:
         """Slot counters summed over the workers, plus this process's view.
