@@ -16,7 +16,8 @@ through the feeder thread, so a queue that never started one keeps them open
 Checked against: CPython 3.10.13, 3.11.7, 3.12.1 and 3.13.0, by reading their
 ``multiprocessing/queues.py`` (the attributes above, ``close``, ``_reset``,
 ``_start_thread`` and ``_feed`` are the same in all four) and by running the
-package's round trip under each (the test suite itself runs on 3.11).
+package's round trip, ``python tests/ipc_roundtrip.py .``, under each (the
+test suite runs it on the interpreter it runs on: 3.11).
 """
 from __future__ import annotations
 
