@@ -70,7 +70,7 @@ class DirectCollate:
         if numel == 0 or off + numel * itemsize > slot.cap:
             return None
         self.used = off + numel * itemsize
-        out = slot.typed(dtype).as_strided(shape, _layout._contiguous_strides(shape),
+        out = slot.typed(dtype).as_strided(shape, _layout.contiguous_strides(shape),
                                            off // itemsize)
         self.direct[id(out)] = (out, off)
         return out

@@ -307,7 +307,7 @@ def copy_leaves(leaves, slot) -> None:
             npdt = _NUMPY_OF_TORCH.get(src.dtype)
             if npdt is None or src.is_conj() or src.is_neg():
                 typed = slot.typed(src.dtype)
-                typed.as_strided(src.shape, _contiguous_strides(src.shape),
+                typed.as_strided(src.shape, contiguous_strides(src.shape),
                                  off // src.itemsize).copy_(src)
                 continue
             src = src.numpy()  # numpy's calls cost a fraction of torch's for small leaves
@@ -319,7 +319,7 @@ def copy_leaves(leaves, slot) -> None:
             np.copyto(arr[off:off + n].view(src.dtype).reshape(src.shape), src, casting="no")
 
 
-def _contiguous_strides(shape):
+def contiguous_strides(shape):
     strides = []
     step = 1
     for d in reversed(shape):
