@@ -13,6 +13,7 @@ and they resume from ``ray.train.get_checkpoint()``.  Also records what a plain
 warns.  Writes OUT_DIR/rank{R}-attempt{A}.json.
 """
 import json
+import os
 import sys
 import tempfile
 import warnings
@@ -102,6 +103,12 @@ def main(out: Path) -> None:
     import ray.train.torch
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
+    # Ray Train's controller polls the worker group every 2 s by default, and
+    # noticing the failure, the restarted group and the end each wait for a
+    # poll (42 s -> 28 s for this job at 0.2 s).  It changes only how soon Ray
+    # notices; the failure and the restart are the same.  Set before ray.init,
+    # so the local cluster's processes (the controller among them) inherit it.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         trainer = ray.train.torch.TorchTrainer(
