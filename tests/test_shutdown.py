@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+import torch
 from loader_helpers import Snapshot, live_children, warm_up
 from sample_datasets import RangeDataset, SleepDataset, UnevenIterable
 
@@ -215,3 +216,37 @@ def test_workers_exit_within_2s_when_main_is_sigkilled(delay):
     finally:
         main.kill()
         main.join(5)
+
+
+class CountingSleepDataset(torch.utils.data.Dataset):
+    """Each __getitem__ sleeps, then appends its index to a file (any process)."""
+
+    def __init__(self, path, n=64, delay=0.2):
+        self.path, self.n, self.delay = str(path), n, delay
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.delay)
+        with open(self.path, "a") as f:
+            f.write(f"{i}\n")
+        return i
+
+
+@pytest.mark.timeout(30)
+def test_dropping_the_iterator_skips_the_batches_still_queued(tmp_path):
+    """As torch's workers do (its _workers_done_event): once the iterator is dropped,
+    a worker finishes the batch in hand and loads none of the tasks still queued for
+    it. Here 8 tasks are in flight (2 workers x prefetch_factor 4); loading them all
+    would take each worker 0.8 s more and call __getitem__ 8 times."""
+    path = tmp_path / "calls"
+    loader = torchfeed.DataLoader(CountingSleepDataset(path), batch_size=1, num_workers=2,
+                                  prefetch_factor=4)
+    it = iter(loader)
+    assert next(it).tolist() == [0]
+    del it
+    calls = path.read_text().split()
+    # batch 0 (delivered), batch 1 (done by worker 1 meanwhile), and at most the one
+    # batch each worker had in hand when the iterator was dropped
+    assert len(calls) <= 4, f"__getitem__ ran for {sorted(map(int, calls))} after the drop"

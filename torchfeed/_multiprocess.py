@@ -107,7 +107,8 @@ class MultiProcessIterator(BaseIterator):
             worker_init_fn=loader.worker_init_fn, num_workers=self._num_workers,
             epoch=self._epoch, seed_per_batch=getattr(loader, "seed_per_batch", False),
             main_pid=os.getpid(), resume_states=self._stream.resume_states,
-            ships_state=self._stream.ships_state, shared_seed=self._stream.shared_seed)
+            ships_state=self._stream.ships_state, shared_seed=self._stream.shared_seed,
+            stopping=ctx.Event())
         self._spec = spec
         _live_iterators.add(self)
         try:
@@ -381,7 +382,7 @@ class MultiProcessIterator(BaseIterator):
         try:
             if self._pin_thread is not None:
                 self._pin_thread.stop()
-            stop_workers(self._workers, self._index_queues)
+            stop_workers(self._workers, self._index_queues, self._spec.stopping)
         finally:
             for index_queue in self._index_queues:
                 index_queue.close()

@@ -76,6 +76,9 @@ class WorkerSpec:
     resume_states: list[WorkerResume] | None = None
     ships_state: bool = False  # send the (dataset, iterator) state with every batch
     shared_seed: int | None = None  # an IterDataPipe's (_datapipes.py)
+    # Set by the main process when it stops the workers: the tasks still queued
+    # are skipped, not loaded (torch's _workers_done_event does the same).
+    stopping: Any = None
 
 
 def _main_process_alive(main_pid: int, parent_pid: int) -> bool:
@@ -247,6 +250,8 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             task = index_queue.get()
             if task is None:
                 break
+            if spec.stopping is not None and spec.stopping.is_set():
+                continue  # the iterator is gone: drain to the None that ends us
             if isinstance(task, ResumeIteration):
                 epoch = task.epoch
                 exhausted = False
