@@ -104,6 +104,12 @@ def _is_distributed(loader) -> bool:
                or hasattr(s, "num_processes") for s in (sampler, batch_sampler, inner))
 
 
+def _accelerate_adapter(engine):
+    """The Accelerate adapter ``torchfeed.prepare`` put ``engine`` in, while it lives."""
+    snapshot = engine.__dict__.get("_framework_snapshot")
+    return snapshot() if snapshot is not None else None
+
+
 def framework_snapshot(engine) -> dict | None:
     """The state of what the user received from Accelerate's adapter around ``engine``.
 
@@ -111,8 +117,7 @@ def framework_snapshot(engine) -> dict | None:
     as ``dl_state_dict``, the state it took before that read; ``engine``'s own
     state counts the batch read ahead.  None where no such adapter holds ``engine``.
     """
-    snapshot = engine.__dict__.get("_framework_snapshot")
-    holder = snapshot() if snapshot is not None else None
+    holder = _accelerate_adapter(engine)
     if holder is None:
         return None
     # Accelerate tags its copy with "_iterator_finished"; the loader's own state says
@@ -123,7 +128,6 @@ def framework_snapshot(engine) -> dict | None:
 def loaded(loader) -> None:
     """After ``load_state_dict``: what a framework's wrapper reports is the loaded state."""
     loader._user_state = None
-    snapshot = loader.__dict__.get("_framework_snapshot")
-    holder = snapshot() if snapshot is not None else None
+    holder = _accelerate_adapter(loader)
     if holder is not None:  # Accelerate's adapter would report its stale snapshot until iter()
         holder.dl_state_dict = _state.state_dict(loader)
