@@ -34,7 +34,7 @@ import os
 import queue
 import time
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -43,7 +43,7 @@ from ._ipc import WAIT_SLICE, close_queue
 from ._iterator_base import BaseIterator
 from ._pin_memory import PinMemoryThread, pass_through_requested
 from ._processes import launch_worker, launched_at, stop_workers
-from ._protocol import IterableExhausted, ResumeIteration, StatefulUnpacker, Task
+from ._protocol import IterableExhausted, ResumeIteration, StatefulUnpacker, Task, TaskInfo
 from ._receive import ResultReceiver
 from ._restart import WorkerDied, WorkerRestarts
 from ._stack_dump import timeout_message
@@ -52,14 +52,6 @@ from ._transport import create_channel
 from ._worker import WorkerSpec
 
 _live_iterators: weakref.WeakSet = weakref.WeakSet()
-
-
-class TaskInfo(NamedTuple):
-    """A task sent and not yet handed to the user (``task_info[send_idx]``)."""
-
-    worker_id: int
-    batch_index: int
-    indices: Any
 
 
 @atexit.register

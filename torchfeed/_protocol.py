@@ -36,6 +36,15 @@ class Task:
     indices: Any        # sample indices, or a list of Nones for iterable datasets
 
 
+class TaskInfo(NamedTuple):
+    """The main process's record of a ``Task`` it sent and has not yet handed to
+    the user (the iterator's ``task_info[send_idx]``; restarts re-send from it)."""
+
+    worker_id: int
+    batch_index: int
+    indices: Any
+
+
 @dataclass
 class ResumeIteration:
     """Start a new epoch with persistent workers."""

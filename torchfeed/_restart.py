@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ._errors import describe_exit
 from ._ipc import HalfMessage, write_lock
+from ._protocol import TaskInfo
 
 if TYPE_CHECKING:  # both import this module
-    from ._multiprocess import TaskInfo
     from ._pin_memory import PinMemoryThread
     from ._receive import ResultReceiver
 

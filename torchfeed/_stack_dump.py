@@ -25,12 +25,9 @@ import faulthandler
 import os
 import signal
 import time
-from typing import TYPE_CHECKING
 
 from ._errors import describe_samples
-
-if TYPE_CHECKING:  # it imports this module
-    from ._multiprocess import TaskInfo
+from ._protocol import TaskInfo
 
 DUMP_SIGNAL = signal.SIGUSR1
 FIRST_BYTE_WAIT = 1.0  # how long a signalled worker has to start its dump
