@@ -98,9 +98,8 @@ class MultiProcessIterator(BaseIterator):
             drop_last=self._drop_last, base_seed=self._base_seed,
             worker_init_fn=loader.worker_init_fn, num_workers=self._num_workers,
             epoch=self._epoch, seed_per_batch=getattr(loader, "seed_per_batch", False),
-            main_pid=os.getpid(), resume_states=self._stream.resume_states,
-            ships_state=self._stream.ships_state, shared_seed=self._stream.shared_seed,
-            stopping=ctx.Event())
+            main_pid=os.getpid(), stopping=ctx.Event(), resume_states=self._stream.resume_states,
+            ships_state=self._stream.ships_state, shared_seed=self._stream.shared_seed)
         self._spec = spec
         _live_iterators.add(self)
         try:

@@ -202,14 +202,13 @@ def _server_finds(name: str) -> bool:
     return spec is not None and spec.origin is not None and real(spec.origin) == real(origin)
 
 
-def stop_workers(workers, index_queues, stopping=None) -> None:
+def stop_workers(workers, index_queues, stopping) -> None:
     """Ask every live worker to exit, then terminate and kill the stragglers.
 
-    ``stopping`` (an Event every worker holds) is set first, so that a worker
+    ``stopping`` (the Event every worker holds) is set first, so that a worker
     skips the tasks still queued ahead of its ``None`` instead of loading them.
     """
-    if stopping is not None:
-        stopping.set()
+    stopping.set()
     for worker_id, process in enumerate(workers):
         if process.is_alive():
             try:

@@ -71,14 +71,14 @@ class WorkerSpec:
     epoch: int
     seed_per_batch: bool
     main_pid: int
+    # An Event the main process sets when it stops the workers: the tasks still
+    # queued are skipped, not loaded (torch's _workers_done_event does the same).
+    stopping: Any
     # A resume: what each worker loads (the dataset's state before iterating, the
     # iterator's after iter()).
     resume_states: list[WorkerResume] | None = None
     ships_state: bool = False  # send the (dataset, iterator) state with every batch
     shared_seed: int | None = None  # an IterDataPipe's (_datapipes.py)
-    # Set by the main process when it stops the workers: the tasks still queued
-    # are skipped, not loaded (torch's _workers_done_event does the same).
-    stopping: Any = None
 
 
 def _main_process_alive(main_pid: int, parent_pid: int) -> bool:
@@ -250,7 +250,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             task = index_queue.get()
             if task is None:
                 break
-            if spec.stopping is not None and spec.stopping.is_set():
+            if spec.stopping.is_set():
                 continue  # the iterator is gone: drain to the None that ends us
             if isinstance(task, ResumeIteration):
                 epoch = task.epoch
