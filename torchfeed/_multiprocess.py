@@ -42,7 +42,7 @@ from ._errors import WorkerFailure, describe_dead_worker
 from ._ipc import WAIT_SLICE, close_queue
 from ._iterator_base import BaseIterator
 from ._pin_memory import PinMemoryThread, pass_through_requested
-from ._processes import launch_worker, launched_at, stop_workers
+from ._processes import StopFlag, launch_worker, launched_at, stop_workers
 from ._protocol import IterableExhausted, ResumeIteration, StatefulUnpacker, Task, TaskInfo
 from ._receive import ResultReceiver
 from ._restart import WorkerDied, WorkerRestarts
@@ -98,7 +98,7 @@ class MultiProcessIterator(BaseIterator):
             drop_last=self._drop_last, base_seed=self._base_seed,
             worker_init_fn=loader.worker_init_fn, num_workers=self._num_workers,
             epoch=self._epoch, seed_per_batch=getattr(loader, "seed_per_batch", False),
-            main_pid=os.getpid(), stopping=ctx.Event(), resume_states=self._stream.resume_states,
+            main_pid=os.getpid(), stopping=StopFlag(ctx), resume_states=self._stream.resume_states,
             ships_state=self._stream.ships_state, shared_seed=self._stream.shared_seed)
         self._spec = spec
         _live_iterators.add(self)

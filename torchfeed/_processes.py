@@ -202,11 +202,38 @@ def _server_finds(name: str) -> bool:
     return spec is not None and spec.origin is not None and real(spec.origin) == real(origin)
 
 
-def stop_workers(workers, index_queues, stopping) -> None:
+class StopFlag:
+    """The main process's "stop": set once when it stops the workers, read by
+    each worker before each task, so that it skips the tasks still queued ahead
+    of its ``None`` instead of loading them (torch's ``_workers_done_event``).
+
+    One byte of shared memory and no lock (NOTE [ Cross-process primitives ]
+    in CONTRIBUTING.md).  A ``multiprocessing.Event`` would take its
+    Condition's lock in every ``is_set()``: a worker SIGKILLed inside that call
+    leaves the lock taken for good, and the main process's ``set()`` then
+    waits forever.  Here a read and a write of one aligned byte are all there
+    is, so a worker that dies at any instant holds nothing; a worker that reads
+    the byte just before it is set loads one more task, and still gets its
+    ``None``.  Pickled only as a worker's start argument, like any shared ctype."""
+
+    def __init__(self, ctx) -> None:
+        self._byte = ctx.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._byte.value = 1
+
+    def is_set(self) -> bool:
+        return self._byte.value != 0
+
+
+def stop_workers(workers, index_queues, stopping: StopFlag) -> None:
     """Ask every live worker to exit, then terminate and kill the stragglers.
 
-    ``stopping`` (the Event every worker holds) is set first, so that a worker
+    ``stopping`` (the flag every worker holds) is set first, so that a worker
     skips the tasks still queued ahead of its ``None`` instead of loading them.
+    Nothing here waits on anything a worker can hold: the flag has no lock, a
+    ``None`` is a non-blocking write (``IndexQueue.put``), and every join has
+    a deadline.
     """
     stopping.set()
     for worker_id, process in enumerate(workers):

@@ -46,10 +46,18 @@ class ResultReceiver:
         self.worker_active = worker_active  # False once a worker's iterable is exhausted
         self.pending: collections.deque = collections.deque()    # results read while restarting a worker
         self.stopped = False                  # the iterator is shutting down
+        # Workers out of tasks this epoch that then exited cleanly, as told to.
+        self.retired: set = set()
 
     def watched_sentinels(self):
-        return {w.sentinel: i for i, w in enumerate(self.workers)
-                if self.worker_active[i] and not self.stopped}
+        """Every worker's sentinel, those out of tasks included: a worker whose
+        stream ran out can still die holding the result queue's write lock,
+        which every other worker needs to send (NOTE [ Cross-process
+        primitives ] in CONTRIBUTING.md).  Only one that exited cleanly is
+        left out."""
+        if self.stopped:
+            return {}
+        return {w.sentinel: i for i, w in enumerate(self.workers) if w not in self.retired}
 
     def receive(self, timeout: float):
         """One (send_idx, batch) from the result queue, or (False, None) on timeout.
@@ -80,10 +88,18 @@ class ResultReceiver:
             return True, item
         for sentinel in ready:
             worker_id = sentinels[sentinel]
-            # The pin thread took its list of sentinels before it waited; a
-            # worker exhausted meanwhile (no more tasks this epoch) exits on purpose.
-            if self.worker_active[worker_id] and not self.stopped:
+            if self.stopped:
+                break
+            if self.worker_active[worker_id]:
                 raise WorkerDied(worker_id)
+            # Out of tasks this epoch: a worker told to stop exits with 0 and
+            # leaves nothing taken; any other end (a signal, the OOM killer)
+            # may have left the write lock taken, and the others waiting on it.
+            process = self.workers[worker_id]
+            process.join(timeout=DYING_SENDER_WAIT)
+            if process.exitcode != 0:
+                raise WorkerDied(worker_id)
+            self.retired.add(process)
         return False, None
 
     def read_result(self, sentinels=None, dead: int | None = None, ready: bool = False):

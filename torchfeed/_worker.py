@@ -44,11 +44,11 @@ import psutil
 import torch
 import torch.utils.data._utils.worker as _torch_worker
 
-from . import _seeding, _stack_dump
+from . import _fault_hook, _seeding, _stack_dump
 from ._datapipes import seed_graph, shard_graph
 from ._errors import WorkerFailure, add_note
 from ._fetch import create_fetcher
-from ._ipc import ResultWriter, become_write_only, reader_fd, wait_ready
+from ._ipc import ResultWriter, Stopped, become_write_only, reader_fd, wait_ready
 from ._pickling import describe_unpicklable, find_unpicklable
 from ._protocol import IterableExhausted, ResumeIteration, StatefulResult, Task, WorkerResume
 from ._stateful import StateTaker, take_state
@@ -71,8 +71,8 @@ class WorkerSpec:
     epoch: int
     seed_per_batch: bool
     main_pid: int
-    # An Event the main process sets when it stops the workers: the tasks still
-    # queued are skipped, not loaded (torch's _workers_done_event does the same).
+    # The main process's StopFlag (_processes.py), set when it stops the workers:
+    # the tasks still queued are skipped, not loaded (torch's _workers_done_event).
     stopping: Any
     # A resume: what each worker loads (the dataset's state before iterating, the
     # iterator's after iter()).
@@ -227,7 +227,9 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
         fetcher.exhausted = True  # the last batch the user got exhausted its stream
     taker = StateTaker(dataset, spec.is_iterable) if spec.ships_state else None
     exhausted = False
-    results = ResultWriter(result_queue)
+    results = ResultWriter(result_queue, spec.stopping.is_set)
+    if _fault_hook.ENV in os.environ:  # tests only: die holding a primitive (read once)
+        _fault_hook.install(spec, worker_id, index_queue, result_queue, results, packer)
     index_fds = [reader_fd(index_queue)]
     plain_tuples = packer.plain_tuples
     # Sent with the first message, and with the USS with the second: reading
@@ -283,16 +285,23 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             del payload, task
     except BrokenPipeError:
         pass  # the main process is gone; the watchdog would end us in a moment
+    except Stopped:
+        pass  # stopped while waiting for the write lock, which a dead worker may hold
     finally:
-        # Let the feeder thread finish writing and release the queue's write
-        # lock, shared by all workers, before this process exits.  A worker
-        # exhausted mid-epoch (its iterable had nothing left) that exited while its feeder
-        # still held the lock would leave every other worker unable to send,
-        # and the main process waiting forever.  The flush cannot hang for
-        # good: if the main process is gone the watchdog ends us, and if it is
-        # shutting down it terminates us after its grace period.
         result_queue.close()
-        result_queue.join_thread()
+        if spec.stopping.is_set():
+            # The main process reads nothing more, and the feeder may wait
+            # for good on a write lock that a dead worker holds: leave it.
+            result_queue.cancel_join_thread()
+        else:
+            # Let the feeder thread finish writing and release the queue's
+            # write lock, shared by all workers, before this process exits.  A
+            # worker exhausted mid-epoch (its iterable had nothing left) that
+            # exited while its feeder still held the lock would leave every
+            # other worker unable to send.  The flush cannot hang for good: if
+            # the main process is gone the watchdog ends us, and if it is
+            # shutting down it terminates us after its grace period.
+            result_queue.join_thread()
 
 
 def _read_start_memory(started: list) -> None:

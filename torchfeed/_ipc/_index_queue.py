@@ -27,7 +27,7 @@ import pickle
 from multiprocessing.reduction import ForkingPickler
 
 from ._framing import PIPE_BUF, frame
-from ._mp_queue import close_queue, size_semaphore, writer_fd
+from ._mp_queue import close_queue, quiet_epipe, size_semaphore, writer_fd
 
 
 def _dumps(obj) -> bytes | memoryview:
@@ -44,6 +44,7 @@ class IndexQueue:
     def __init__(self, ctx) -> None:
         self.queue = ctx.Queue()
         self.queue.cancel_join_thread()
+        quiet_epipe(self.queue)  # a worker gone for good is no error of the feeder's
         self._fd = writer_fd(self.queue)
         os.set_blocking(self._fd, False)
         sem = size_semaphore(self.queue)

@@ -9,7 +9,8 @@ changes them is adapted to here.
 
 Attributes used: ``_reader``, ``_writer`` (the pipe's ``Connection`` ends),
 ``_sem``, ``_wlock`` (None on Windows), ``_thread`` (None until the first
-``put``), ``_ignore_epipe``.  ``Queue.close()`` closes the pipe ends only
+``put``), ``_ignore_epipe`` (read by the feeder thread when it starts).
+``Queue.close()`` closes the pipe ends only
 through the feeder thread, so a queue that never started one keeps them open
 (``close_queue``).
 
@@ -47,6 +48,14 @@ def write_lock(q):
     return q._wlock
 
 
+def quiet_epipe(q) -> None:
+    """Make ``q``'s feeder thread end quietly when the pipe's readers are all
+    gone (``EPIPE``), instead of printing a traceback for that message and
+    every later one.  The feeder reads the setting when it starts: call this
+    before the first ``put``."""
+    q._ignore_epipe = True
+
+
 def become_write_only(q) -> None:
     """For a process that only writes to ``q``: close its read end (holding it
     open would keep the pipe alive after every reader is gone), and make a
@@ -60,10 +69,18 @@ def close_queue(q, close_pipe_ends: bool = False) -> None:
     """Close ``q`` without waiting on it at exit, and give its feeder thread a
     second to flush.  ``Queue.close`` closes the pipe ends only through the
     feeder thread; with ``close_pipe_ends``, a queue that never started one
-    has them closed here."""
+    has them closed here.
+
+    ``close_pipe_ends`` is for a queue this process only writes (an index
+    queue, whose reader has exited): its read end is closed first, so a
+    feeder thread blocked on a full pipe that no one will read again gets
+    ``EPIPE`` and ends (quietly, after ``quiet_epipe``), instead of blocking
+    for good."""
     q.cancel_join_thread()
-    q.close()
     feeder = q._thread
+    if close_pipe_ends and feeder is not None:
+        q._reader.close()
+    q.close()
     if feeder is None:
         if close_pipe_ends:
             q._reader.close()

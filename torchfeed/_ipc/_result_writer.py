@@ -17,6 +17,12 @@ the main process relies on a worker's results arriving in order (an
 the previous epoch's results).  The write blocks while the pipe is full, as
 the feeder's would; a worker whose main process is gone is ended by its
 watchdog, and an ``EPIPE`` is reported as ``BrokenPipeError`` to the caller.
+
+The write lock may be held by a worker that died holding it.  The main process
+notices that death and stops the workers; a writer waiting for the lock waits
+in slices and, once ``stopping()`` says so, raises ``Stopped`` instead of
+waiting for a lock that will never be released, so it exits on its ``None``
+like the others rather than being terminated.
 """
 from __future__ import annotations
 
@@ -25,14 +31,17 @@ import pickle
 
 from ._framing import PIPE_BUF, frame
 from ._mp_queue import size_semaphore, write_lock, writer_fd
+from ._pipe_reader import Stopped
+from ._wait import WAIT_SLICE
 
 
 class ResultWriter:
-    def __init__(self, result_queue) -> None:
+    def __init__(self, result_queue, stopping=lambda: False) -> None:
         self.queue = result_queue
         self._fd = writer_fd(result_queue)
         self._take_slot = size_semaphore(result_queue).acquire
         self._lock = write_lock(result_queue)
+        self._stopping = stopping  # () -> bool: the main process is stopping the workers
         self._direct = True
 
     def put(self, obj) -> None:
@@ -44,8 +53,10 @@ class ResultWriter:
             if len(message) <= PIPE_BUF:
                 self._take_slot()  # the main process releases it per message read
                 lock = self._lock
-                if lock is not None:
-                    lock.acquire()
+                if lock is not None and not lock.acquire(False):
+                    while not lock.acquire(timeout=WAIT_SLICE):
+                        if self._stopping():
+                            raise Stopped()
                 try:
                     _write_all(self._fd, message)
                 finally:

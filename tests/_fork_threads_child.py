@@ -1,0 +1,133 @@
+"""Run by tests/test_fork_threads.py in a fresh interpreter:
+
+    python tests/_fork_threads_child.py
+
+Records the Python threads alive in this process at every ``os.fork()``
+(``os.register_at_fork``), while torch's DataLoader and then torchfeed's run
+the same scenarios, and prints ``{scenario: {"torch": [...], "torchfeed":
+[...]}}`` as JSON: per fork, the sorted thread names.  Python 3.12+ warns at a
+fork of a multi-threaded process; torchfeed must never fork with more threads
+than torch's loader has at its forks.
+"""
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader as TorchLoader
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torchfeed  # noqa: E402
+
+_forks: list = []
+
+
+def _record() -> None:
+    _forks.append(sorted(t.name for t in threading.enumerate()))
+
+
+def _settle() -> None:
+    """Let the last run's threads end (a closed queue's feeder thread ends a
+    moment after the loader is gone), so each run's forks see its own."""
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+class Samples(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.tensor([i])
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        info = get_worker_info()
+        return iter(range(info.id, 16, info.num_workers))
+
+
+class KillsOnce(Samples):
+    """Worker 1 SIGKILLs itself at sample 5, once (the file says it did)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __getitem__(self, i):
+        if i == 5 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+def fresh(cls):
+    for _ in range(2):
+        list(cls(Samples(), batch_size=2, num_workers=2))
+
+
+def persistent_pin(cls):
+    loader = cls(Samples(), batch_size=2, num_workers=2, persistent_workers=True, pin_memory=True)
+    for _ in range(2):
+        list(loader)
+
+
+def iterable(cls):
+    list(cls(Stream(), batch_size=2, num_workers=2))
+
+
+def two_loaders(cls):
+    """A second loader starts while the first's iterator (pin thread and all) lives."""
+    first = iter(cls(Samples(), batch_size=2, num_workers=2, pin_memory=True))
+    next(first)
+    list(cls(Samples(), batch_size=2, num_workers=2, pin_memory=True))
+    del first
+
+
+def big_tasks(cls):
+    """Index lists too big for a direct write: torchfeed's feeder threads."""
+    loader = cls(torch.utils.data.TensorDataset(torch.arange(20_000.0)), batch_size=5_000,
+                 num_workers=2, persistent_workers=True)
+    for _ in range(2):
+        list(loader)
+
+
+SCENARIOS = {"fresh": fresh, "persistent_pin": persistent_pin, "iterable": iterable,
+             "two_loaders": two_loaders, "big_tasks": big_tasks}
+
+
+def restart(marker):
+    """torchfeed only: a worker killed, and a replacement forked mid-epoch."""
+    loader = torchfeed.DataLoader(KillsOnce(marker), batch_size=2, num_workers=2,
+                                  pin_memory=True, max_worker_restarts=1)
+    list(loader)
+
+
+def main(out_dir: str) -> None:
+    warnings.simplefilter("ignore")
+    os.register_at_fork(before=_record)
+    result = {}
+    for name, scenario in SCENARIOS.items():
+        result[name] = {}
+        for label, cls in (("torch", TorchLoader), ("torchfeed", torchfeed.DataLoader)):
+            _settle()
+            _forks.clear()
+            scenario(cls)
+            result[name][label] = list(_forks)
+    _settle()
+    _forks.clear()
+    restart(os.path.join(out_dir, "killed"))
+    result["restart"] = {"torchfeed": list(_forks)}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
