@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -157,15 +158,48 @@ def warm_up(dataset=None, num_workers: int = 2, **kwargs) -> None:
     del loader
 
 
+# Python 3.12+ warns at every os.fork() of a process that has more than one
+# thread (pytest-xdist's, torch's, a CUDA driver's), whichever loader forks:
+# that is the test process's state, not what a test compares.  That torchfeed
+# never forks with threads of its own where torch would not is
+# tests/test_fork_threads.py's to check.
+FORK_WITH_THREADS = "use of fork() may lead to deadlocks"
+
+
 def warning_messages(record) -> list[tuple[type, str]]:
-    return [(w.category, str(w.message)) for w in record]
+    """``(category, message)`` of each warning in ``record``, less Python's
+    fork-with-threads DeprecationWarning."""
+    return [(w.category, str(w.message)) for w in record
+            if not (issubclass(w.category, DeprecationWarning)
+                    and FORK_WITH_THREADS in str(w.message))]
 
 
-def launch_in_own_session(cmd, timeout):
+# Hides CUDA and ROCm devices from a process started with it.
+NO_ACCELERATOR_ENV = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
+_HIDDEN = "TORCHFEED_TEST_ACCELERATOR_HIDDEN"
+
+
+def rerun_without_accelerator(request, timeout: float = 120) -> None:
+    """For a test about a machine with no accelerator, on a machine that has
+    one: run that same test again in a fresh pytest process that sees none
+    (``NO_ACCELERATOR_ENV``), and fail with its output if it fails.  This
+    process may not hide its devices itself: torch has already counted them."""
+    if os.environ.get(_HIDDEN):
+        raise AssertionError(f"an accelerator is still visible with {NO_ACCELERATOR_ENV}")
+    env = {**os.environ, **NO_ACCELERATOR_ENV, _HIDDEN: "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           request.node.nodeid], cwd=str(request.config.rootpath), env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+
+
+def launch_in_own_session(cmd, timeout, env=None):
     """Run a launcher (torchrun and the like) in a session of its own and
     return ``(returncode, output)``: if it hangs or fails, the whole process
-    group (its ranks and their workers) is killed with it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    group (its ranks and their workers) is killed with it.  ``env``: variables
+    to set on top of this process's environment."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
     try:

@@ -188,15 +188,18 @@ def test_accelerate_prepare_of_a_torchfeed_loader_warns_once(new_accelerator, fr
 
 
 # -- Accelerate, two processes (torchrun, gloo) ----------------------------------------
-def _launch(cmd, timeout):
-    return launch_in_own_session(cmd, timeout)
+def _launch(cmd, timeout, env=None):
+    return launch_in_own_session(cmd, timeout, env)
 
 
 @pytest.mark.timeout(200)
 def test_accelerate_two_processes_keep_torchfeed_and_resume(tmp_path):
+    # Two CPU ranks (Accelerator(cpu=True), gloo) is what this test means: with
+    # a GPU visible, the ranks still reached for a CUDA device each, by local
+    # rank ("invalid device ordinal" on a one-GPU machine).  None is visible.
     code, output = _launch([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc_per_node=2", str(HERE / "_accelerate_ranks.py"),
-                            str(tmp_path)], timeout=180)
+                            str(tmp_path)], timeout=180, env={"CUDA_VISIBLE_DEVICES": ""})
     files = [tmp_path / f"rank{r}.json" for r in range(2)]
     assert code == 0 and all(f.exists() for f in files), output[-6000:]
     ranks = [json.loads(f.read_text()) for f in files]
@@ -270,7 +273,7 @@ def test_state_dict_of_a_loader_a_framework_replaced_warns(monkeypatch, fresh_wa
 @pytest.mark.timeout(300)
 def test_ray_train_keeps_torchfeed_and_resumes_exactly_after_a_failure(tmp_path):
     code, output = _launch([sys.executable, str(HERE / "_ray_train.py"), str(tmp_path)],
-                           timeout=280)
+                           timeout=280, env={"CUDA_VISIBLE_DEVICES": ""})  # CPU workers
     fit = tmp_path / "fit.json"
     assert code == 0 and fit.exists(), output[-6000:]
     assert json.loads(fit.read_text()) == {"error": "None"}

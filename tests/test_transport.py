@@ -345,6 +345,8 @@ def test_check_space_and_limit_parsing(monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_torch_transport_escape_hatch(monkeypatch):
+    gc.collect()
+    earlier = set(slot_ranges())  # an earlier test's batches, still alive, may map some
     assert resolve_transport() == "shm"
     assert isinstance(create_channel(1, None, {"transport": "torch"}), TorchChannel)
     monkeypatch.setenv(_transport.ENV_TRANSPORT, "torch")
@@ -358,7 +360,7 @@ def test_torch_transport_escape_hatch(monkeypatch):
         # drops a non-native byte order; the shm transport keeps it).
         assert_same(batch, pickle.loads(ForkingPickler.dumps(h.every_leaf(i))))
         assert p.unpacker.stats()["transport"] == "torch"
-        assert not slot_ranges()
+        assert not set(slot_ranges()) - earlier  # torch's transport maps no arena
 
 
 # -- nothing leaks -------------------------------------------------------------------

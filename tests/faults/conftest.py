@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import threading
 import time
 import warnings
@@ -24,41 +23,11 @@ from dataclasses import dataclass
 import psutil
 import pytest
 import torch
-from faults_helpers import ALL_CONFIGS, SHM_DIR, shm_entries
+from faults_helpers import ALL_CONFIGS, SHM_DIR, foreign_shm, shm_entries
 
 import torchfeed
 
 GRACE = 3.0  # seconds a leak may take to clear after the test body returns
-
-
-def _foreign_shm(name: str, ours: set[int]) -> bool:
-    """Whether a new entry belongs to another test run sharing the machine:
-    it is named after, mapped or held open by a live process outside this
-    test's tree.  An entry of ours that nobody maps or holds is a leak.
-
-    Named semaphores (``sem.mp-*``) are never ours: this suite uses the fork
-    start method, under which multiprocessing unlinks a semaphore's name as
-    soon as it exists; other runs on the machine that use spawn keep theirs
-    named for a while."""
-    if name.startswith("sem.mp-"):
-        return True
-    for pid in map(int, re.findall(r"(?<![0-9])(\d{2,9})(?![0-9])", name)):
-        if pid not in ours and psutil.pid_exists(pid):
-            return True
-    path = os.path.join(SHM_DIR, name)
-    for pid in psutil.pids():
-        if pid in ours:
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                if path in f.read():
-                    return True
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(path):
-                    return True
-        except OSError:
-            continue
-    return False
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -96,7 +65,7 @@ class Snapshot:
             problems.append(f"file descriptors: {before.fds} before, {self.fds} after: "
                             + ", ".join(_fd_targets()))
         ours = {os.getpid(), *before.children, *self.children}
-        shm = sorted(n for n in self.shm - before.shm if not _foreign_shm(n, ours))
+        shm = sorted(n for n in self.shm - before.shm if not foreign_shm(n, ours))
         if shm:
             problems.append(f"new {SHM_DIR} entries: {shm}")
         return problems

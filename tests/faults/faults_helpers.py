@@ -5,9 +5,11 @@ from __future__ import annotations
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import re
 import time
 from dataclasses import dataclass
 
+import psutil
 import pytest
 
 SURFACE_WITHIN = 5.0  # the issue's bound between a fault and its error
@@ -19,6 +21,36 @@ def shm_entries() -> set[str]:
         return set(os.listdir(SHM_DIR))
     except FileNotFoundError:
         return set()
+
+
+def foreign_shm(name: str, ours: set[int]) -> bool:
+    """Whether a new entry belongs to another test run sharing the machine:
+    it is named after, mapped or held open by a live process outside this
+    test's tree.  An entry of ours that nobody maps or holds is a leak.
+
+    Named semaphores (``sem.mp-*``) are never ours: this suite uses the fork
+    start method, under which multiprocessing unlinks a semaphore's name as
+    soon as it exists; other runs on the machine that use spawn keep theirs
+    named for a while."""
+    if name.startswith("sem.mp-"):
+        return True
+    for pid in map(int, re.findall(r"(?<![0-9])(\d{2,9})(?![0-9])", name)):
+        if pid not in ours and psutil.pid_exists(pid):
+            return True
+    path = os.path.join(SHM_DIR, name)
+    for pid in psutil.pids():
+        if pid in ours:
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if path in f.read():
+                    return True
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(path):
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def multiprocessing_servers() -> set[int]:
