@@ -15,11 +15,14 @@ sets ``stopped`` when it shuts down.
 
 NOTE [ Waiting without hanging ]
 The main process never blocks on the result queue alone.  It waits on the
-queue's pipe *and* every live worker's process sentinel at once
+queue's pipe *and* every worker's process sentinel at once
 (one ``poll``, see ``_ipc.wait_ready``), so a worker that dies from SIGKILL, a
 segfault or ``os._exit`` wakes it immediately, and the error names that
 worker's pid, its signal or exit code and the batches it had in flight.
-torch instead polls every 5 seconds and relies on a SIGCHLD handler.
+torch instead polls every 5 seconds and relies on a SIGCHLD handler.  A
+worker with nothing left to do this epoch is watched too, until it exits
+cleanly: it can still die holding the write lock the others need (NOTE [
+Cross-process primitives ] in CONTRIBUTING.md).
 """
 from __future__ import annotations
 

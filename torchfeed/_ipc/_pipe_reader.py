@@ -40,7 +40,8 @@ class HalfMessage(Exception):
 
 
 class Stopped(Exception):
-    """The iterator is shutting down while a message was half read."""
+    """The iterator is shutting down: the main process stops reading a half-read
+    message, a worker stops waiting for the write lock (``ResultWriter``)."""
 
 
 class MessageReader:
