@@ -15,9 +15,15 @@ import warnings
 
 import numpy as np
 import psutil
+import pytest
 import torch
 
 import torchfeed
+from torchfeed._torch_compat import TAKES_IN_ORDER
+
+# in_order is an argument of torch's DataLoader from 2.6 on; before, passing it is
+# torch's TypeError (tests/test_torch_releases.py checks that ours raises it too).
+needs_in_order = pytest.mark.skipif(not TAKES_IN_ORDER, reason="torch before 2.6 has no in_order")
 
 
 def assert_same(a, b, path: str = "batch") -> None:

@@ -10,7 +10,6 @@ import math
 import random
 import sys
 
-import datasets
 import pytest
 import torch
 
@@ -30,6 +29,9 @@ from torchfeed.bench.pipelines import (
 )
 from torchfeed.bench.report import format_peer_table, format_report
 from torchfeed.bench.workloads import WORKLOADS
+
+datasets = pytest.importorskip(
+    "datasets", reason="Hugging Face datasets is not installed (the [test] extra has it)")
 
 COMPARED = ("torch", "torchfeed", *PEERS)
 

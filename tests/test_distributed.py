@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from loader_helpers import needs_in_order
 from torch.utils.data import IterableDataset
 from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
@@ -221,6 +222,7 @@ class _SlowFirst(torch.utils.data.Dataset):
 
 
 @pytest.mark.timeout(60)
+@needs_in_order
 def test_loader_in_order_false_state_at_another_world_size():
     n, bs = 48, 2
     sampler = DistributedSampler(range(n), 2, 0, seed=0)

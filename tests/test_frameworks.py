@@ -46,6 +46,7 @@ def fresh_warnings(monkeypatch):
 @pytest.fixture
 def new_accelerator():
     """A new Accelerator per call, as in a new process (Accelerate keeps singletons)."""
+    pytest.importorskip("accelerate", reason="Accelerate is not installed (the [test] extra has it)")
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
@@ -109,6 +110,8 @@ def test_accelerate_keeps_torchfeed_and_round_trips_save_state(new_accelerator, 
 def test_accelerate_stateful_dataloader_option_warns_and_keeps_torchfeed(fresh_warnings):
     """Accelerate's use_stateful_dataloader builds torchdata's loader and takes its state
     (drawing from the RNG) before torchfeed replaces it: torchfeed says so."""
+    pytest.importorskip("accelerate", reason="Accelerate is not installed (the [test] extra has it)")
+    pytest.importorskip("torchdata", reason="torchdata is not installed (the [test] extra has it)")
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.state import AcceleratorState, GradientState
 
@@ -194,6 +197,7 @@ def _launch(cmd, timeout, env=None):
 
 @pytest.mark.timeout(200)
 def test_accelerate_two_processes_keep_torchfeed_and_resume(tmp_path):
+    pytest.importorskip("accelerate", reason="Accelerate is not installed (the [test] extra has it)")
     # Two CPU ranks (Accelerator(cpu=True), gloo) is what this test means: with
     # a GPU visible, the ranks still reached for a CUDA device each, by local
     # rank ("invalid device ordinal" on a one-GPU machine).  None is visible.
@@ -272,6 +276,7 @@ def test_state_dict_of_a_loader_a_framework_replaced_warns(monkeypatch, fresh_wa
 # -- Ray Train: 2 CPU workers, a failure, a restart ------------------------------------
 @pytest.mark.timeout(300)
 def test_ray_train_keeps_torchfeed_and_resumes_exactly_after_a_failure(tmp_path):
+    pytest.importorskip("ray.train", reason="Ray Train is not installed (the [test] extra has it)")
     code, output = _launch([sys.executable, str(HERE / "_ray_train.py"), str(tmp_path)],
                            timeout=280, env={"CUDA_VISIBLE_DEVICES": ""})  # CPU workers
     fit = tmp_path / "fit.json"
@@ -332,7 +337,8 @@ def _trainers():
     """The stock Trainer, and the README's subclass as written there."""
     import re
 
-    import transformers
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed (the [test] extra has it)")
 
     readme = (HERE.parent / "README.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S)

@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from loader_helpers import assert_same, canonical, torch_and_ours
+from loader_helpers import assert_same, canonical, needs_in_order, torch_and_ours
 from sample_datasets import (
     Custom,
     CustomTypeDataset,
@@ -207,12 +207,14 @@ def test_abandoned_epoch_then_next_epoch():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dataset", [RangeDataset(23), ShardedIterable(0, 23)],
                          ids=["map", "iterable"])
+@needs_in_order
 def test_out_of_order_same_multiset(dataset):
     theirs, ours = torch_and_ours(dataset, batch_size=3, num_workers=3, in_order=False)
     assert Counter(map(canonical, theirs[0])) == Counter(map(canonical, ours[0]))
 
 
 @pytest.mark.timeout(60)
+@needs_in_order
 def test_out_of_order_slow_sample_does_not_block():
     # Sample 0 takes 1.5 s; the other batches must come out while it sleeps.
     loader = torchfeed.DataLoader(SlowIndexDataset(12, slow=0, delay=1.5), batch_size=1,

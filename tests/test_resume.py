@@ -20,6 +20,7 @@ from _resume_helpers import (
     check_resume,
     ids,
 )
+from loader_helpers import needs_in_order
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler
 
 from torchfeed import DataLoader
@@ -272,6 +273,7 @@ def test_prefetched_batches_are_not_consumed(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@needs_in_order
 def test_out_of_order_resume_yields_each_sample_once():
     """in_order=False: batch 0 is slow, so later ones are yielded first; the state
     remembers them and the resumed run yields exactly the rest."""
@@ -296,6 +298,7 @@ def test_out_of_order_resume_yields_each_sample_once():
 
 
 @pytest.mark.timeout(60)
+@needs_in_order
 def test_out_of_order_state_after_the_frontier_catches_up():
     loader = DataLoader(SlowFirst(12), batch_size=2, num_workers=2, in_order=False)
     got = [ids(b) for b in loader]

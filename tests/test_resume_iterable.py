@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 from _resume_helpers import StatefulStream, Stream, check_resume, close, ids
+from loader_helpers import needs_in_order
 
 from torchfeed import DataLoader
 
@@ -64,6 +65,7 @@ def test_stateful_persistent_workers_several_epochs():
 
 
 @pytest.mark.timeout(60)
+@needs_in_order
 def test_stateful_out_of_order_yields_each_item_once():
     m = make(num_workers=2, in_order=False)
     loader = m()

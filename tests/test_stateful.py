@@ -218,7 +218,8 @@ def test_stateless_warning_points_at_the_callers_line():
 def test_hugging_face_iterable_dataset_still_resumes_exactly(num_workers):
     # HF datasets' IterableDataset is Stateful (state_dict() with no arguments) and its
     # __iter__ is a generator: its own state, per worker, as before.
-    from datasets import Dataset as HFDataset
+    HFDataset = pytest.importorskip(
+        "datasets", reason="Hugging Face datasets is not installed (the [test] extra has it)").Dataset
 
     def make():
         ds = HFDataset.from_dict({"x": list(range(60))}).to_iterable_dataset(num_shards=4)

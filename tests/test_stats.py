@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from torchfeed import DataLoader
+from torchfeed._torch_compat import accelerator_available
 
-HAS_ACCELERATOR = torch.accelerator.is_available()
+HAS_ACCELERATOR = accelerator_available()
 
 
 def pin_thread(monkeypatch):

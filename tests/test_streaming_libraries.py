@@ -20,6 +20,8 @@ from loader_helpers import warning_messages
 
 from torchfeed import DataLoader
 
+for _library, _name in (("streaming", "mosaicml-streaming"), ("litdata", "litdata")):
+    pytest.importorskip(_library, reason=f"{_name} is not installed (.ci/run installs it)")
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIBS = ["streaming", "litdata"]
 BATCHES = 38  # 300 samples in batches of 8

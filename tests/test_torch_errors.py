@@ -16,6 +16,7 @@ import re
 import signal
 import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ import torch.utils.data
 from torch.utils.data import Dataset
 
 import torchfeed
+from torchfeed._torch_compat import TORCH_RELEASE
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
@@ -309,8 +311,11 @@ def test_prefetch_factor_0_refused_in_torchs_words():
             iter(loader)
         errors.append(str(info.value))
     theirs, ours = errors
-    assert theirs == "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
-    assert ours.splitlines()[0] == theirs, ours
+    if TORCH_RELEASE >= (2, 10):
+        assert theirs == "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
+        assert ours.splitlines()[0] == theirs, ours
+    else:  # a bare assert: torch says nothing, so ours is all there is
+        assert theirs == ""
     assert "prefetch_factor=1" in ours
 
 
@@ -321,21 +326,25 @@ def test_timeout_without_workers_refused_in_torchs_words():
             iter(cls(Faulty("none"), timeout=1))
         errors.append(str(info.value))
     theirs, ours = errors
-    assert theirs == "_SingleProcessDataLoaderIter requires timeout == 0"
-    assert ours.splitlines()[0] == theirs, ours
+    if TORCH_RELEASE >= (2, 10):
+        assert theirs == "_SingleProcessDataLoaderIter requires timeout == 0"
+        assert ours.splitlines()[0] == theirs, ours
+    else:  # a bare assert: torch says nothing, so ours is all there is
+        assert theirs == ""
+    assert "timeout=0, or num_workers > 0" in ours
 
 
 @pytest.mark.timeout(60)
 def test_unpicklable_worker_arguments_in_torchs_words():
-    """torch warns, then re-raises pickle's own error; so do we, then say which
-    argument and what to do."""
+    """torch warns (2.10 on), then re-raises pickle's own error; so do we, then
+    say which argument and what to do."""
     def local_collate(batch):  # a local function: spawn cannot pickle it
         return batch
 
     results = []
     for cls in (torch.utils.data.DataLoader, torchfeed.DataLoader):
-        with pytest.warns(UserWarning, match="^Got pickle error when attempting to start a "
-                                             "worker Process") as record:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
             with pytest.raises(Exception) as info:
                 iter(cls(Faulty("none"), num_workers=1, multiprocessing_context="spawn",
                          collate_fn=local_collate))
@@ -345,6 +354,9 @@ def test_unpicklable_worker_arguments_in_torchs_words():
     assert theirs_type is ours_type
     assert ours.splitlines()[0] == theirs, ours
     assert ours_warned == theirs_warned
+    assert len(ours_warned) == (TORCH_RELEASE >= (2, 10))
+    assert all(w.startswith("Got pickle error when attempting to start a worker Process")
+               for w in ours_warned)
     assert "collate_fn" in ours and "module level" in ours
 
 
@@ -362,9 +374,10 @@ def test_pin_memory_thread_failure_in_torchs_words(monkeypatch):
     is skipped), and its error is compared with torch's wrapper's."""
     from torch._utils import ExceptionWrapper
 
-    from torchfeed._pin_memory import PinMemoryThread
+    from torchfeed import _pin_memory
 
-    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+    monkeypatch.setattr(_pin_memory, "make_pin_device_current", lambda device, index: None)
+    PinMemoryThread = _pin_memory.PinMemoryThread
     items = [(True, (0, PinFails()))]
     thread = PinMemoryThread(lambda timeout: items.pop() if items else (False, None),
                              "cuda", 0, pin=True)

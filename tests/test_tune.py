@@ -215,6 +215,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, capfd, monkeyp
 def test_plot_writes_a_png(tmp_path):
     # matplotlib is in the [test] extra, so this runs wherever the tests do; its
     # absence, the [plot] extra's case, is tested above with it hidden.
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (the [test] extra has it)")
     png = tmp_path / "tune.png"
     tune(tune_helper.TinyDataset(), batch_size=4, plot=str(png), progress=False, **QUICK)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,45 +6,63 @@ reached the user, which is what ``state_dict()`` reports), and applies torch's
 per-iterator rules: the base seed is drawn once per iterator from the loader's
 generator (or the global RNG), after the sampler's iterator is made, exactly
 as torch does, so iterating advances the global RNG no further than torch's
-DataLoader would; pin-memory warnings are torch's; an IterableDataset that
-yields more batches than its ``len()`` promised gets torch's warning.
+DataLoader would; whether to pin, for which device, and the warnings about it
+are the installed torch's; an IterableDataset that yields more batches than
+its ``len()`` promised gets torch's warning.
 """
 from __future__ import annotations
 
 import warnings
 from time import perf_counter
 
-import torch
 from torch.utils.data import IterableDataset
 
 from ._datapipes import seed_graph
 from ._index_stream import IndexStream
 from ._state import ResumeBook
 from ._stats import IteratorStats
+from ._torch_compat import (
+    HONOURS_PIN_MEMORY_DEVICE,
+    PINS_FOR_CURRENT_ACCELERATOR,
+    accelerator_available,
+    current_accelerator_type,
+)
 
 
 def pin_memory_plan(loader) -> tuple[bool, str | None]:
-    """(pin?, device type), with torch's warnings for what cannot be honoured."""
+    """(pin?, the device to pin for), by the installed torch's rules
+    (``_torch_compat.py``), with its warnings for what cannot be honoured.
+    The device is None where torch pins for the default device."""
+    if HONOURS_PIN_MEMORY_DEVICE and loader.pin_memory_device:
+        # before torch 2.9 a named device is pinned for as asked, present or not
+        if not loader.pin_memory:
+            warnings.warn(
+                "'pin_memory_device' is set but 'pin_memory' argument is not set, then device "
+                "pinned memory won't be used.please set 'pin_memory' to true, if you need to use "
+                "the device pin memory" if PINS_FOR_CURRENT_ACCELERATOR else
+                "pin memory device is set and pin_memory flag is not used then device pinned "
+                "memory won't be usedplease set pin_memory to true, if you need to use the "
+                "device pin memory", stacklevel=4)
+        return loader.pin_memory, loader.pin_memory_device
     if loader.pin_memory and loader.pin_memory_device:
         warnings.warn(
             "pin_memory_device is deprecated, the current accelerator will be used as the "
             f"device,ignore pin_memory_device='{loader.pin_memory_device}'.", stacklevel=4)
-    available = torch.accelerator.is_available()
-    if loader.pin_memory and not available:
+    available = accelerator_available()
+    if loader.pin_memory and not available and PINS_FOR_CURRENT_ACCELERATOR:
         warnings.warn(
             "'pin_memory' argument is set as true but no accelerator is found, then device "
             "pinned memory won't be used.", stacklevel=4)
     pin = bool(loader.pin_memory and available)
-    device = None
-    if pin:
-        acc = torch.accelerator.current_accelerator()
-        device = acc.type if acc is not None else None
-        if device == "mps":
-            warnings.warn(
-                "'pin_memory' argument is set as true but not supported on MPS now, device "
-                "pinned memory won't be used.", stacklevel=4)
-            pin, device = False, None
-    return pin, device
+    device = current_accelerator_type() if pin else None
+    if device == "mps":
+        warnings.warn(
+            "'pin_memory' argument is set as true but not supported on MPS now, "
+            f"{'then ' if HONOURS_PIN_MEMORY_DEVICE else ''}device pinned memory won't be used.",
+            stacklevel=4)
+        pin, device = False, None
+    # from torch 2.9 the accelerator's device type; before, None (the default)
+    return pin, None if HONOURS_PIN_MEMORY_DEVICE else device
 
 
 def warn_empty_iterable(dataset, num_workers: int) -> None:

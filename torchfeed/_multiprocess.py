@@ -48,6 +48,7 @@ from ._receive import ResultReceiver
 from ._restart import WorkerDied, WorkerRestarts
 from ._stack_dump import timeout_message
 from ._stats import LiveCounts
+from ._torch_compat import assertion_message, in_order, pin_device_index
 from ._transport import create_channel
 from ._worker import WorkerSpec
 
@@ -67,12 +68,12 @@ class MultiProcessIterator(BaseIterator):
         if self._prefetch_factor <= 0:
             # torch's constructor lets 0 through and its iterator refuses it,
             # after drawing the base seed, as here.
-            raise AssertionError(
-                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter\n"
+            raise AssertionError(assertion_message(
+                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter",
                 f"prefetch_factor={self._prefetch_factor} would send no batch to the "
                 f"{self._num_workers} workers. Use prefetch_factor=1 or more (torch's "
-                "default is 2).")
-        self._in_order = loader.in_order
+                "default is 2)."))
+        self._in_order = in_order(loader)
         self._workers: list = []
         # Per worker: True while it gets tasks this epoch, False once it reported
         # IterableExhausted (its iterable stream has nothing left).
@@ -115,7 +116,7 @@ class MultiProcessIterator(BaseIterator):
             raise
 
     def _start_pin_thread(self) -> None:
-        index = torch.accelerator.current_device_index() if self._pin_memory else None
+        index = pin_device_index(self._pin_memory_device) if self._pin_memory else None
         self._pin_thread = PinMemoryThread(self._receiver.receive, self._pin_memory_device,
                                            index, pin=self._pin_memory)
 

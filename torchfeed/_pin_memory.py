@@ -1,9 +1,10 @@
 """Page-locking batches, and the thread that does it off the training loop.
 
-``pin_memory`` follows torch's rules for nested batches exactly: a tensor or
-any object with its own ``pin_memory()`` method is pinned by that method;
-mappings and sequences are rebuilt as their own type when they can be, and as
-a dict or list when they cannot; strings and other leaves pass through.
+``pin_memory`` follows the installed torch's rules for nested batches exactly
+(``_torch_compat.py`` says where releases differ): a tensor or any object with
+its own ``pin_memory()`` method is pinned by that method; mappings and
+sequences are rebuilt as their own type when they can be, and as a dict or
+list when they cannot; strings and other leaves pass through.
 
 ``PinMemoryThread`` sits between the result queue and the reorder step: it
 takes each message the workers sent, decodes it, pins the batch and hands it
@@ -23,6 +24,7 @@ import torch
 
 from ._errors import WorkerFailure
 from ._ipc import WAIT_SLICE
+from ._torch_compat import PIN_OWN_METHOD_FIRST, PIN_PASSES_DEVICE, PIN_TUPLE_AS_LIST, make_pin_device_current
 
 # Lets the thread's plumbing run (and be tested) on a machine with no
 # accelerator: batches pass through it unpinned.  A debugging aid only.
@@ -30,7 +32,10 @@ PASS_THROUGH_ENV = "TORCHFEED_PIN_THREAD_WITHOUT_ACCELERATOR"
 
 
 def pin_memory(data, device=None):
-    if isinstance(data, torch.Tensor) or hasattr(data, "pin_memory"):
+    if isinstance(data, torch.Tensor):
+        # before torch 2.11 the device is passed on (None: the default one)
+        return data.pin_memory(device) if PIN_PASSES_DEVICE else data.pin_memory()
+    if PIN_OWN_METHOD_FIRST and hasattr(data, "pin_memory"):
         return data.pin_memory()
     if isinstance(data, (str, bytes)):
         return data
@@ -46,7 +51,9 @@ def pin_memory(data, device=None):
             return pinned
     if isinstance(data, tuple):
         items = (pin_memory(v, device) for v in data)
-        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
+        if hasattr(data, "_fields"):
+            return type(data)(*items)
+        return list(items) if PIN_TUPLE_AS_LIST else type(data)(items)
     if isinstance(data, Sequence):
         pinned_items = [pin_memory(v, device) for v in data]
         try:
@@ -58,6 +65,8 @@ def pin_memory(data, device=None):
             return type(data)(pinned_items)  # type: ignore[call-arg]  # the user's class, as torch builds it
         except TypeError:
             return pinned_items
+    if hasattr(data, "pin_memory"):  # before torch 2.11: asked after the containers
+        return data.pin_memory()
     return data
 
 
@@ -88,7 +97,7 @@ class PinMemoryThread:
 
         torch.set_num_threads(1)
         if self._pin and self._device_index is not None:
-            torch.accelerator.set_device_index(self._device_index)
+            make_pin_device_current(self._device, self._device_index)
         while not self._done.is_set():
             try:
                 ok, item = self._receive(WAIT_SLICE)

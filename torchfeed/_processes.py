@@ -56,6 +56,7 @@ import weakref
 from ._ipc import IndexQueue
 from ._pickling import describe_unpicklable
 from ._stack_dump import StackPipe
+from ._torch_compat import WARNS_OF_PICKLE_ERROR
 from ._worker import WorkerSpec, worker_loop
 
 SHUTDOWN_GRACE = 1.0  # seconds all workers share to exit before termination
@@ -114,9 +115,10 @@ def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
                     for name, value in parts.items()
                     if value is not None and _unpicklable(value)]
         detail = "; ".join(culprits) or str(exc)
-        # torch warns, then re-raises pickle's own error: keep both, with
-        # pickle's sentence as the first line and what to do after it.
-        warnings.warn(_TORCH_PICKLE_WARNING, stacklevel=5)
+        # torch warns (2.10 on), then re-raises pickle's own error: keep both,
+        # with pickle's sentence as the first line and what to do after it.
+        if WARNS_OF_PICKLE_ERROR:
+            warnings.warn(_TORCH_PICKLE_WARNING, stacklevel=5)
         raise type(exc)(
             f"{exc}\n"
             f"DataLoader could not start worker {worker_id} with the '{method}' start "

@@ -20,6 +20,7 @@ from ._index_stream import NO_STATE
 from ._iterator_base import BaseIterator
 from ._pin_memory import pin_memory
 from ._stateful import StateTaker, take_state
+from ._torch_compat import assertion_message
 
 
 class SingleProcessIterator(BaseIterator):
@@ -28,11 +29,11 @@ class SingleProcessIterator(BaseIterator):
         if self._timeout != 0:
             # torch accepts the argument and fails here, with an AssertionError,
             # after drawing the base seed; keep the type and the RNG draw.
-            raise AssertionError(
-                "_SingleProcessDataLoaderIter requires timeout == 0\n"
+            raise AssertionError(assertion_message(
+                "_SingleProcessDataLoaderIter requires timeout == 0",
                 f"timeout={self._timeout} needs worker processes: a DataLoader with "
                 "num_workers=0 loads in the calling thread and cannot time out. Set "
-                "timeout=0, or num_workers > 0.")
+                "timeout=0, or num_workers > 0."))
         self._seed_per_batch = getattr(loader, "seed_per_batch", False)
         shard_graph(self._dataset, 0, 0)  # a DataPipe: this rank's share, as torch does
         self._make_fetcher()

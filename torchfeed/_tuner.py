@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ._progress import Progress
 from ._stats_report import START_DOMINATES
+from ._torch_compat import TAKES_IN_ORDER
 from ._tuner_report import TuneResult, TuneRow, pyplot, recommend, workers_text
 from .bench.measure import cpu_count, time_loader
 from .dataloader import DataLoader as TorchfeedDataLoader
@@ -73,8 +74,9 @@ def loader_arguments(source: Any, batch_size: int | None = None) -> tuple[type, 
         "generator": dl.generator,
         "persistent_workers": dl.persistent_workers,
         "pin_memory_device": dl.pin_memory_device,
-        "in_order": getattr(dl, "in_order", True),
     }
+    if TAKES_IN_ORDER:  # torch 2.6 on
+        kwargs["in_order"] = dl.in_order
     if not _is_default_collate(dl.collate_fn):
         kwargs["collate_fn"] = dl.collate_fn
     kwargs.update(_extra_options(dl))

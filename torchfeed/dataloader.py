@@ -32,6 +32,7 @@ from ._prepared import (
 from ._single_process import SingleProcessIterator
 from ._stats import empty_stats
 from ._stats_report import LoaderStats
+from ._torch_compat import TAKES_IN_ORDER
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -39,8 +40,9 @@ T_co = TypeVar("T_co", covariant=True)
 class DataLoader(torch.utils.data.DataLoader[T_co]):
     """A drop-in replacement for :class:`torch.utils.data.DataLoader`.
 
-    Takes exactly torch's arguments, with torch's defaults and validation, plus
-    these keyword-only options:
+    Takes exactly the installed torch's arguments, with its defaults and
+    validation (``in_order`` from torch 2.6 on, as torch), plus these
+    keyword-only options:
 
     Args:
         transport (str): how batches cross from workers to the main process.
@@ -68,20 +70,43 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             a number of batches.
     """
 
-    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
-                 num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
-                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
-                 prefetch_factor=None, persistent_workers=False, pin_memory_device="",
-                 in_order=True, transport=None, seed_per_batch=False,
-                 snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0):
-        super().__init__(
-            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
-            batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
-            pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
-            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-            generator=generator, prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
-            in_order=in_order)
+    if TAKES_IN_ORDER:  # torch 2.6 on: the constructor takes in_order
+        def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
+                     num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
+                     worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                     prefetch_factor=None, persistent_workers=False, pin_memory_device="",
+                     in_order=True, transport=None, seed_per_batch=False,
+                     snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0):
+            super().__init__(
+                dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+                pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+                worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                generator=generator, prefetch_factor=prefetch_factor,
+                persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
+                in_order=in_order)
+            self._set_options(dataset, transport, seed_per_batch, snapshot_every_n_steps,
+                              log_every, max_worker_restarts)
+    else:  # torch 2.4, 2.5: no in_order, so passing one is torch's TypeError
+        def __init__(  # type: ignore[misc]  # the two variants differ by in_order alone
+                self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
+                num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
+                worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                prefetch_factor=None, persistent_workers=False, pin_memory_device="",
+                transport=None, seed_per_batch=False,
+                snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0):
+            super().__init__(
+                dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+                pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+                worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                generator=generator, prefetch_factor=prefetch_factor,
+                persistent_workers=persistent_workers, pin_memory_device=pin_memory_device)
+            self._set_options(dataset, transport, seed_per_batch, snapshot_every_n_steps,
+                              log_every, max_worker_restarts)
+
+    def _set_options(self, dataset, transport, seed_per_batch, snapshot_every_n_steps,
+                     log_every, max_worker_restarts) -> None:
         validate_options(seed_per_batch=seed_per_batch,
                          snapshot_every_n_steps=snapshot_every_n_steps)
         self.transport = resolve_transport(transport)

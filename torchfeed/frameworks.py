@@ -43,6 +43,7 @@ from torch.utils.data import IterableDataset
 
 from . import _state
 from ._prepared import _inside_prepare, _warn_once
+from ._torch_compat import TAKES_IN_ORDER
 from .dataloader import DataLoader
 
 # dataset, sampler, batch_sampler, batch_size and drop_last decide which indices a
@@ -51,7 +52,8 @@ from .dataloader import DataLoader
 _FROM_FRAMEWORK = ("worker_init_fn", "generator")
 # The rest of torch's arguments, and torchfeed's: the user's loader's.
 _FROM_USER = ("num_workers", "collate_fn", "pin_memory", "timeout", "multiprocessing_context",
-              "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
+              "prefetch_factor", "persistent_workers", "pin_memory_device",
+              *(("in_order",) if TAKES_IN_ORDER else ()),  # torch 2.6 on
               "transport", "seed_per_batch", "snapshot_every_n_steps", "log_every",
               "max_worker_restarts")
 
