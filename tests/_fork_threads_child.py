@@ -70,8 +70,14 @@ class KillsOnce(Samples):
 
 
 def fresh(cls):
+    """Fresh workers each epoch; the last epoch's pin thread (with an accelerator)
+    must be gone before the next epoch forks, and so must a broken-off epoch's."""
+    loader = cls(Samples(), batch_size=2, num_workers=2, pin_memory=True)
     for _ in range(2):
-        list(cls(Samples(), batch_size=2, num_workers=2))
+        list(loader)
+    for batch in loader:
+        break
+    list(loader)
 
 
 def persistent_pin(cls):
