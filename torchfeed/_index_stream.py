@@ -135,7 +135,8 @@ class IndexStream(Replay):
         self.iterator_states = [None] * slots  # every epoch calls iter(dataset) anew
         if plan.worker_states is not None:
             its = plan.iterator_states or [None] * slots
-            self.resume_states = [WorkerResume(ws, w in plan.exhausted_workers, its[w])
+            ended = plan.ended_iterator_states or [None] * slots
+            self.resume_states = [WorkerResume(ws, w in plan.exhausted_workers, its[w], ended[w])
                                   for w, ws in enumerate(plan.worker_states)]
             self.exhausted_workers = set(plan.exhausted_workers)
             self.worker_states = list(plan.worker_states)

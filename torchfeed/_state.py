@@ -43,13 +43,22 @@ The format (version 1), plain values only, so it survives ``json`` and
                                     # a streaming library's state: _streaming_adapters.py
      "exhausted_workers": [int, ...],  # the last batch yielded exhausted their stream
      "next_worker": int,
-     "next_epoch_global_rng": str | None,  # at an epoch's end: the global RNG at state_dict()
+     "next_epoch_global_rng": str | None,  # at an epoch's end (or before the first
+                                           # iter()): the global RNG at state_dict()
      "next_epoch_host_rng": {"numpy": str, "python": str} | None,  # and numpy's, Python's
      "sampler": str | None}  # map-style: the kind of sampler, "BatchSampler(RandomSampler)"
 
 An epoch is at its end when it finished, or when every batch was yielded but
 nothing called ``next()`` again (a framework that knows ``len(loader)``, as
-Lightning does): ``load_state_dict`` counts the latter as finished too.
+Lightning does): ``load_state_dict`` counts the latter as finished too.  What a
+dataset copy carries into the next epoch is restored as the uninterrupted run
+carried it: with ``num_workers=0``, ``load_state_dict`` loads the dataset
+object's state itself, before the next epoch's draws (its state may hold the
+global RNG); persistent workers, started again, load their copy's state and,
+into an iterator of the ended epoch, the state that iterator ended with
+(torchdata's order), so what it sets in the worker (its global RNG) is there
+when the next epoch calls ``iter(dataset)``.  Workers that are not persistent
+start the next epoch fresh, as torch's do.
 
 ``next_epoch_global_rng``, ``next_epoch_host_rng``, ``sampler``,
 ``epoch_start_rng["host"]``, ``iterator_states`` and ``dataset_state`` were added
@@ -82,6 +91,10 @@ The global RNG belongs to the training loop; what is guaranteed without a
 ``generator`` (the shuffle and base seed then come from it, as in torch):
 
 * the epoch in progress is replayed from the state alone;
+* a state taken before the loader's first ``iter()`` records the global RNG as
+  one at an epoch's end does (below), so the epoch it starts draws what the
+  saving loader's first epoch drew (torchdata draws the base seed at that
+  ``state_dict()``);
 * a state taken at the end of an epoch records the global RNG as it was at that
   ``state_dict()``.  At the next ``iter()``, if the live global RNG is still
   there (the checkpoint restored it), the epoch draws from it as torch does.
@@ -106,7 +119,7 @@ from torch.utils.data import IterableDataset
 
 from ._index_stream import IndexStream
 from ._rng import encode_host_rngs, encode_rng
-from ._sampler_state import describe_sampler
+from ._sampler_state import describe_sampler, may_draw_host_rngs, stateful_sampler
 from ._state_validation import KIND, VERSION, check_finished, check_position, validate
 from ._stateful import check, has_worker_state, warn_stateless
 from ._streaming_adapters import adapter_for
@@ -117,7 +130,7 @@ class Plan:
     """What the next epoch started on a loader is: its number, and what to restore."""
 
     __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted_workers",
-                 "global_rng", "host_rng", "next", "iterator_states")
+                 "global_rng", "host_rng", "next", "iterator_states", "ended_iterator_states")
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__}
@@ -128,12 +141,14 @@ class Plan:
 
     def __init__(self, epoch: int, state=None, base_seed=None, worker_states=None,
                  exhausted_workers=(), global_rng=None, host_rng=None, next=None,
-                 iterator_states=None) -> None:
+                 iterator_states=None, ended_iterator_states=None) -> None:
         self.epoch = epoch
         self.state = state                  # a state whose epoch this one continues
         self.base_seed = base_seed          # persistent workers keep one base seed
         self.worker_states = worker_states  # dataset states to load first
         self.iterator_states = iterator_states  # loaded into what iter(dataset) returns
+        # persistent workers after a finished epoch: what its iterators ended with
+        self.ended_iterator_states = ended_iterator_states
         self.exhausted_workers = exhausted_workers  # workers with nothing left this epoch
         self.global_rng = global_rng        # a new epoch's draws come from this global RNG
         self.host_rng = host_rng            # and from these numpy / Python global RNGs
@@ -245,12 +260,18 @@ def state_dict(loader) -> dict:
     state = dict(book.header)
     s = book.live
     if s is None:  # nothing started yet: the start of epoch 0
+        # The epoch will draw its start (base seed, shuffle) from the global RNGs as they
+        # are now, so they are recorded as at an epoch's end (torchdata draws the
+        # base seed here).
+        host = state["dataset_kind"] == "map" and may_draw_host_rngs(
+            loader._index_sampler, stateful_sampler(loader._index_sampler)[1])
         state.update(epoch=book.next_epoch, epoch_finished=False, batches_yielded=0,
                      samples_yielded=0, out_of_order_yielded=[], base_seed=None,
                      draws_base_seed=True, epoch_start_rng=None, sampler_state=None,
                      worker_states=None, iterator_states=None, dataset_state=None,
                      exhausted_workers=[], next_worker=0,
-                     next_epoch_global_rng=None, next_epoch_host_rng=None)
+                     next_epoch_global_rng=encode_rng(torch.get_rng_state()),
+                     next_epoch_host_rng=encode_host_rngs() if host else None)
         return state
     state["epoch"] = s.epoch
     state["epoch_finished"] = s.finished
@@ -307,6 +328,8 @@ def load_state_dict(loader, state) -> None:
         loader._iterator = None
     if state["dataset_state"] is not None:  # validated: this loader has the same library
         book.adapter.load(state["dataset_state"]["state"])
+    if loader.num_workers == 0:
+        _load_finished_dataset_state(loader.dataset, plan)
     warn_stateless(loader, state, plan.epoch)
     book.plan, book.loaded, book.live = plan, state, None
     book.next_epoch = plan.epoch
@@ -324,7 +347,8 @@ def _plan(loader, probe: IndexStream, state: dict) -> Plan:
     carries = loader.num_workers == 0 or probe.persistent  # the same dataset copies go on
     probe.restore_sampler_epoch(state)
     if state["epoch_start_rng"] is None:  # saved before its epoch started
-        return Plan(epoch)
+        return Plan(epoch, global_rng=state["next_epoch_global_rng"],
+                    host_rng=state["next_epoch_host_rng"])
     finished = state["epoch_finished"]
     if finished:
         check_finished(state, probe.replay_to_end(state))
@@ -336,6 +360,8 @@ def _plan(loader, probe: IndexStream, state: dict) -> Plan:
         after = Plan(epoch + 1,
                      base_seed=state["base_seed"] if probe.persistent else None,
                      worker_states=state["worker_states"] if carries else None,
+                     ended_iterator_states=(state["iterator_states"] if probe.persistent
+                                            else None),
                      global_rng=state["next_epoch_global_rng"],
                      host_rng=state["next_epoch_host_rng"])
         if state["epoch_finished"] or probe.saved_sampler_epoch(state) is None:
@@ -351,6 +377,22 @@ def _plan(loader, probe: IndexStream, state: dict) -> Plan:
     return Plan(epoch, state=state, worker_states=state["worker_states"],
                 exhausted_workers=tuple(state["exhausted_workers"]),
                 iterator_states=state["iterator_states"])
+
+
+def _load_finished_dataset_state(dataset, plan: Plan) -> None:
+    """A state at an epoch's end, in the main process: the dataset object's state, now.
+
+    In the uninterrupted run the same object goes on into the next epoch with that
+    state, before the epoch's draws; a dataset whose state holds the global RNG
+    (torchdata's examples do) must have set it by then, not after them.
+    """
+    for p in (plan, plan.next):
+        if p is None or p.state is not None or p.worker_states is None:
+            continue
+        saved, p.worker_states = p.worker_states[0], None
+        if saved is not None:
+            dataset.load_state_dict(saved)
+            return
 
 
 def _undo_point(loader, probe: IndexStream):
