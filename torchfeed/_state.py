@@ -104,9 +104,11 @@ The global RNG belongs to the training loop; what is guaranteed without a
   epoch's ``epoch_start_rng``.  Either way the epoch is the uninterrupted run's
   if that run drew nothing from the global RNG between the ``state_dict()`` and
   its next ``iter()``;
-* after a state taken inside an epoch, later epochs draw from the live global
-  RNG, so they match the uninterrupted run only when the checkpoint also
-  restores ``torch.get_rng_state()``.
+* every epoch after the first resumed one (after a state taken inside an
+  epoch, every epoch after it) draws from the live global RNG, which the
+  training loop also consumes, so it matches the uninterrupted run only when
+  the checkpoint also restores ``torch.get_rng_state()`` (or with a
+  ``generator``).
 """
 from __future__ import annotations
 
