@@ -28,7 +28,7 @@ def _flat(loader) -> list:
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_state_after_an_epoch_resumes_the_next_one(persistent):
     def make(generator):
-        return DataLoader(RandomDraws(24), batch_size=4, num_workers=3, generator=generator,
+        return DataLoader(RandomDraws(24), batch_size=4, num_workers=2, generator=generator,
                           persistent_workers=persistent)
 
     g = torch.Generator().manual_seed(4)

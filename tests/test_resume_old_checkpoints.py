@@ -18,6 +18,8 @@ import torch
 from _checkpoint_cases import CASES, _epochs, write
 from _resume_helpers import close
 
+from torchfeed._checkpoint import FIELDS, Checkpoint
+
 FIXTURES = pathlib.Path(__file__).parent / "checkpoints"
 
 
@@ -51,3 +53,27 @@ def test_an_old_checkpoint_resumes_exactly(name):
 def test_the_uninterrupted_run_is_what_it_was(name):
     """The fixtures' expected batches are still what an uninterrupted run yields."""
     assert write(name)["rest"] == _load(name)["rest"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_an_old_checkpoint_reads_into_one_value_and_back(name):
+    """The typed value holds every key of the format, and gives the same dict back."""
+    state = _load(name)["state"]
+    assert set(state) == set(FIELDS)
+    assert Checkpoint.read(state).as_dict() == state
+
+
+@pytest.mark.timeout(60)
+def test_state_dict_writes_the_fields_the_value_reads():
+    make = CASES["map_shuffle_global_nw2"][0]
+    loader = make()
+    states = [loader.state_dict()]
+    it = iter(loader)
+    next(it)
+    states.append(loader.state_dict())
+    states.append(json.loads(json.dumps(states[-1])))
+    del it
+    close(loader)
+    for state in states:
+        assert set(state) == set(FIELDS)
+        assert Checkpoint.read(state).as_dict() == state
