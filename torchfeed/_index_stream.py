@@ -98,12 +98,12 @@ class IndexStream(Replay):
         """
         previous = self.book.live
         pending = self.book.plan
-        if pending is not None and pending.state is not None:
+        if pending is not None and pending.checkpoint is not None:
             if pending.next is not None and self.sampler.epoch != self.saved_sampler_epoch(
-                    pending.state):
+                    pending.checkpoint):
                 pending = pending.next  # the loop went on to the next epoch
             else:
-                self._check_sampler_epoch(pending.state)  # before the plan is used up
+                self._check_sampler_epoch(pending.checkpoint)  # before the plan is used up
         undo = self.book.undo_point()
         plan = self.book.begin(self, pending)
         try:
@@ -147,8 +147,8 @@ class IndexStream(Replay):
             self.worker_states = [None] * self.num_workers  # fresh copies of the dataset
         elif previous is not None and previous is not self and self.num_workers == 0:
             self.worker_states = list(previous.worker_states)  # the same dataset object
-        if plan.state is not None:
-            self._resume(plan.state, fresh)
+        if plan.checkpoint is not None:
+            self._resume(plan.checkpoint, fresh)
             return
         with drawing_from(plan.global_rng, plan.host_rng):  # also what _capture records
             self._capture()

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class Plan:
     """What the next epoch started on a loader is: its number, and what to restore."""
 
-    __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted_workers",
+    __slots__ = ("epoch", "checkpoint", "base_seed", "worker_states", "exhausted_workers",
                  "global_rng", "host_rng", "next", "iterator_states", "ended_iterator_states")
 
     def __getstate__(self):
@@ -34,12 +34,12 @@ class Plan:
         for name, value in state.items():
             setattr(self, name, value)
 
-    def __init__(self, epoch: int, state: Checkpoint | None = None, base_seed=None,
+    def __init__(self, epoch: int, checkpoint: Checkpoint | None = None, base_seed=None,
                  worker_states=None,
                  exhausted_workers=(), global_rng=None, host_rng=None, next=None,
                  iterator_states=None, ended_iterator_states=None) -> None:
         self.epoch = epoch
-        self.state = state                  # a state whose epoch this one continues
+        self.checkpoint = checkpoint        # a state whose epoch this one continues
         self.base_seed = base_seed          # persistent workers keep one base seed
         self.worker_states = worker_states  # dataset states to load first
         self.iterator_states = iterator_states  # loaded into what iter(dataset) returns

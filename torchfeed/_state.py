@@ -267,10 +267,10 @@ def _plan(loader, probe: IndexStream, cp: Checkpoint) -> Plan:
         # epoch it wants.  set_epoch(epoch + 1) before iter() (Lightning) starts it;
         # left at the saved epoch (a loop that resumes its own epoch count), the
         # saved epoch goes on, with nothing left in it, so no epoch is dealt twice.
-        return Plan(epoch, state=cp, next=after)
+        return Plan(epoch, checkpoint=cp, next=after)
     if probe.is_iterable and (cp.dataset_state is not None or not cp.has_worker_state):
-        return Plan(epoch, state=cp)  # the library skips, or the loader re-reads
-    return Plan(epoch, state=cp, worker_states=cp.worker_states,
+        return Plan(epoch, checkpoint=cp)  # the library skips, or the loader re-reads
+    return Plan(epoch, checkpoint=cp, worker_states=cp.worker_states,
                 exhausted_workers=cp.exhausted_workers, iterator_states=cp.iterator_states)
 
 
@@ -282,7 +282,7 @@ def _load_finished_dataset_state(dataset, plan: Plan) -> None:
     (torchdata's examples do) must have set it by then, not after them.
     """
     for p in (plan, plan.next):
-        if p is None or p.state is not None or p.worker_states is None:
+        if p is None or p.checkpoint is not None or p.worker_states is None:
             continue
         saved, p.worker_states = p.worker_states[0], None
         if saved is not None:
