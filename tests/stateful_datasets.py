@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 
@@ -113,3 +114,57 @@ class RaisingState(Dataset):
 
     def load_state_dict(self, state):
         pass
+
+
+class RandomDraws(IterableDataset):
+    """Each worker's share, drawn at random from torch's global RNG by a Stateful
+    iterator whose state holds that RNG (torchdata's ``DummyIterator``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        return RandomDrawsIterator(list(range(wid, self.n, nw)))
+
+
+class RandomDrawsIterator:
+    def __init__(self, shard: list) -> None:
+        self.shard, self.i = shard, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= len(self.shard):
+            raise StopIteration
+        self.i += 1
+        return self.shard[int(torch.randint(len(self.shard), ()))]
+
+    def state_dict(self):
+        return {"i": self.i, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+        torch.set_rng_state(state["rng"])
+
+
+class GlobalRngItems(Dataset):
+    """Map-style: each item is a draw from torch's global RNG, and the dataset's
+    state is that RNG (torchdata's ``DummyMapDataset`` with ``shuffle=True``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        return [i, int(torch.randint(1000, ()))]
+
+    def state_dict(self):
+        return {"rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state):
+        torch.set_rng_state(state["rng"])

@@ -28,18 +28,20 @@ positions without loading any data (``load_state_dict`` does it once first,
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
 
+from ._checkpoint import Checkpoint
 from ._chunked_sampler import iterate
 from ._datapipes import SharedSeed, is_iter_datapipe
 from ._protocol import StatefulResult, WorkerResume
 from ._replay import Replay
 from ._rng import draw_base_seed, drawing_from, encode_host_rngs, encode_rng, replaying
 from ._sampler_state import epoch_state, may_draw_host_rngs, private_rngs, sampler_generators, stateful_sampler
-from ._stateful import has_worker_state, is_stateful
+from ._stateful import is_stateful
 
 WATCH_BATCHES = 32  # batches of an epoch checked for global-RNG draws by the sampler
 
@@ -96,12 +98,12 @@ class IndexStream(Replay):
         """
         previous = self.book.live
         pending = self.book.plan
-        if pending is not None and pending.state is not None:
+        if pending is not None and pending.checkpoint is not None:
             if pending.next is not None and self.sampler.epoch != self.saved_sampler_epoch(
-                    pending.state):
+                    pending.checkpoint):
                 pending = pending.next  # the loop went on to the next epoch
             else:
-                self._check_sampler_epoch(pending.state)  # before the plan is used up
+                self._check_sampler_epoch(pending.checkpoint)  # before the plan is used up
         undo = self.book.undo_point()
         plan = self.book.begin(self, pending)
         try:
@@ -135,7 +137,8 @@ class IndexStream(Replay):
         self.iterator_states = [None] * slots  # every epoch calls iter(dataset) anew
         if plan.worker_states is not None:
             its = plan.iterator_states or [None] * slots
-            self.resume_states = [WorkerResume(ws, w in plan.exhausted_workers, its[w])
+            ended = plan.ended_iterator_states or [None] * slots
+            self.resume_states = [WorkerResume(ws, w in plan.exhausted_workers, its[w], ended[w])
                                   for w, ws in enumerate(plan.worker_states)]
             self.exhausted_workers = set(plan.exhausted_workers)
             self.worker_states = list(plan.worker_states)
@@ -144,8 +147,8 @@ class IndexStream(Replay):
             self.worker_states = [None] * self.num_workers  # fresh copies of the dataset
         elif previous is not None and previous is not self and self.num_workers == 0:
             self.worker_states = list(previous.worker_states)  # the same dataset object
-        if plan.state is not None:
-            self._resume(plan.state, fresh)
+        if plan.checkpoint is not None:
+            self._resume(plan.checkpoint, fresh)
             return
         with drawing_from(plan.global_rng, plan.host_rng):  # also what _capture records
             self._capture()
@@ -187,54 +190,55 @@ class IndexStream(Replay):
     def _capture(self) -> None:
         """Record what rebuilding this epoch's stream needs (before the sampler draws)."""
         generator = self.generator
-        self.rng: dict[str, Any] = {
+        rng: dict[str, Any] = {
             "generator": None if generator is None else encode_rng(generator.get_state()),
             "global": encode_rng(torch.get_rng_state()),
             "samplers": [encode_rng(g.get_state()) for g in self.generators],
         }
         if self.host:
-            self.rng["host"] = encode_host_rngs()
+            rng["host"] = encode_host_rngs()
+        self.rng: Mapping[str, Any] | None = rng
         protocol = self.sampler_protocol
         self.sampler_start_state = (self.sampler.state_dict() if protocol == "epoch_start"
                                     else epoch_state(self.sampler) if protocol == "set_epoch"
                                     else None)
 
-    def _resume(self, state: dict, fresh: bool) -> None:
-        self.rng = state["epoch_start_rng"]
-        self.base_seed = state["base_seed"]
-        self.draws_base_seed = state["draws_base_seed"]
-        sampler_state = state["sampler_state"]
+    def _resume(self, cp: Checkpoint, fresh: bool) -> None:
+        self.rng = cp.epoch_start_rng
+        self.base_seed = cp.base_seed
+        self.draws_base_seed = cp.draws_base_seed
+        sampler_state = cp.sampler_state
         self.sampler_start_state = None
-        self.batches_yielded = state["batches_yielded"]
-        self.samples_yielded = state["samples_yielded"]
-        self.out_of_order = {p: n for p, n in state["out_of_order_yielded"]}
-        self.frontier = self.batches_yielded - len(self.out_of_order)
+        self.batches_yielded = cp.batches_yielded
+        self.samples_yielded = cp.samples_yielded
+        self.out_of_order = dict(cp.out_of_order_yielded)
+        self.frontier = cp.frontier
         self.prefix_samples = self.samples_yielded - sum(self.out_of_order.values())
         self._skip = set(self.out_of_order)
         start = 0
         with replaying(self.generator, self.generators, self.rng):
             self._draw_shared_seed()  # the epoch's: its first draw, fresh or not
-            if sampler_state is not None and sampler_state["protocol"] == "position":
-                self.sampler.load_state_dict(sampler_state["state"])
+            if sampler_state is not None and sampler_state.protocol == "position":
+                self.sampler.load_state_dict(sampler_state.state)
                 start = self.frontier
                 self.consumed_offset = self._consumed_units()
             elif sampler_state is not None:
-                self.sampler_start_state = sampler_state["state"]
-                if sampler_state["protocol"] == "epoch_start":
-                    self.sampler.load_state_dict(sampler_state["state"])
+                self.sampler_start_state = sampler_state.state
+                if sampler_state.protocol == "epoch_start":
+                    self.sampler.load_state_dict(sampler_state.state)
             self._sampler_iter = iterate(self.index_sampler)
             if self.draws_base_seed and fresh:
                 draw_base_seed(self.generator)  # keeps the generator in step
             if self.draws_base_seed and self.num_workers > 0:
                 self._draw_shared_seed(keep=False)  # so does torch's second draw
             if self.ships_state:  # the workers go on round-robin where they were
-                self.next_worker = state["next_worker"] % max(1, self.num_workers)
+                self.next_worker = cp.next_worker % max(1, self.num_workers)
             if self.is_iterable:
-                if state.get("dataset_state") is not None:  # the library skips what was read
+                if cp.dataset_state is not None:  # the library skips what was read
                     self.next_worker = 0
-                    self.reread = state["dataset_state"].get("reread", 0)
+                    self.reread = cp.dataset_state.reread
                     self._next_pos = self.batches_yielded - self.reread
-                elif has_worker_state(state):
+                elif cp.has_worker_state:
                     self._next_pos = self.batches_yielded
                 else:  # no state to restore: read the consumed batches again, and drop them
                     self.next_worker = 0

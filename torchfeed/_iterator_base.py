@@ -19,7 +19,7 @@ from torch.utils.data import IterableDataset
 
 from ._datapipes import seed_graph
 from ._index_stream import IndexStream
-from ._state import ResumeBook
+from ._resume_book import ResumeBook
 from ._stats import IteratorStats
 from ._torch_compat import (
     HONOURS_PIN_MEMORY_DEVICE,

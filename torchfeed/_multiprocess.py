@@ -44,8 +44,8 @@ from ._iterator_base import BaseIterator
 from ._pin_memory import PinMemoryThread, pass_through_requested
 from ._processes import StopFlag, launch_worker, launched_at, stop_workers
 from ._protocol import IterableExhausted, ResumeIteration, StatefulUnpacker, Task, TaskInfo
-from ._receive import ResultReceiver
-from ._restart import WorkerDied, WorkerRestarts
+from ._receive import ResultReceiver, WorkerDied
+from ._restart import WorkerRestarts
 from ._stack_dump import timeout_message
 from ._stats import LiveCounts
 from ._torch_compat import assertion_message, in_order, pin_device_index

@@ -15,6 +15,7 @@ from torch.utils.data import IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from . import _state
+from ._resume_book import ResumeBook
 from .distributed import rank_and_world_size
 
 SUPPORTED = ("pass the loader through torchfeed.prepare(framework_prepare, loader), e.g. "
@@ -84,7 +85,7 @@ def frameworks_warning(loader) -> None:
     process, without a distributed sampler, while ``torch.distributed`` runs
     several ranks (Ray Train rebuilds exactly those, Accelerate every loader).
     """
-    book = _state.ResumeBook.of(loader)
+    book = ResumeBook.of(loader)
     if book.live is not None or isinstance(loader.dataset, IterableDataset):
         return
     if rank_and_world_size()[1] <= 1 or _is_distributed(loader):

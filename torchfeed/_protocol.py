@@ -27,6 +27,10 @@ class WorkerResume(NamedTuple):
     dataset_state: Any   # loaded into its dataset copy before iterating; None: nothing
     exhausted: bool      # the last batch the user got exhausted its stream
     iterator_state: Any  # loaded into what iter(dataset) returns; None: nothing
+    # A persistent worker after a finished epoch: the state the ended epoch's iterator
+    # had, loaded into an iterator of that epoch before the next one starts, for what
+    # it sets in the worker (its global RNG), as the uninterrupted worker kept it.
+    ended_iterator_state: Any = None
 
 
 @dataclass

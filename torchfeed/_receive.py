@@ -32,10 +32,19 @@ import pickle
 from ._errors import WorkerFailure
 from ._ipc import HalfMessage, MessageReader, Stopped, wait_ready
 from ._protocol import IterableExhausted
-from ._restart import WorkerDied
 from ._transport import fd_exhaustion_error
 
 DYING_SENDER_WAIT = 1.0  # how long a payload that failed to arrive may wait for its sender's death
+
+
+class WorkerDied(Exception):
+    """Internal: worker ``worker_id`` is dead; the main thread decides what next
+    (``_restart.py`` replaces it, or the iterator raises the dead-worker error)."""
+
+    def __init__(self, worker_id: int, half_message: bool = False):
+        super().__init__(f"worker {worker_id} died")
+        self.worker_id = worker_id
+        self.half_message = half_message
 
 
 class ResultReceiver:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable
 
+from ._checkpoint import Checkpoint
 from ._chunked_sampler import iterate
 from ._rng import draw_base_seed, replaying
 from ._sampler_state import saved_sampler_epoch, user_sampler
@@ -50,21 +51,21 @@ class Replay:
             raise ValueError(f"cannot load this DataLoader state: field 'sampler_state': "
                              f"{exc}") from exc
 
-    def saved_sampler_epoch(self, state: dict):
-        """The epoch ``state`` names for this loader's sampler with ``set_epoch``, or None."""
-        return saved_sampler_epoch(state, self.sampler)
+    def saved_sampler_epoch(self, cp: Checkpoint):
+        """The epoch ``cp`` names for this loader's sampler with ``set_epoch``, or None."""
+        return saved_sampler_epoch(cp.sampler_state, self.sampler)
 
-    def restore_sampler_epoch(self, state: dict) -> None:
+    def restore_sampler_epoch(self, cp: Checkpoint) -> None:
         """Give a sampler with ``set_epoch`` the saved epoch, so a fresh one replays that
         epoch's order even if the user's loop does not call ``set_epoch`` first, and
         a later ``set_epoch`` to another epoch is seen (``_check_sampler_epoch``)."""
-        saved = saved_sampler_epoch(state, self.sampler)
+        saved = saved_sampler_epoch(cp.sampler_state, self.sampler)
         if saved is not None:
             self.sampler.set_epoch(saved)
 
-    def _check_sampler_epoch(self, state: dict) -> None:
+    def _check_sampler_epoch(self, cp: Checkpoint) -> None:
         """A mid-epoch state continues one epoch of the sampler's order: refuse another."""
-        saved = saved_sampler_epoch(state, self.sampler)
+        saved = saved_sampler_epoch(cp.sampler_state, self.sampler)
         if saved is None:
             return
         now = self.sampler.epoch
@@ -76,7 +77,7 @@ class Replay:
                 f"rest of epoch {saved} would be wrong. Call set_epoch({saved}) (or leave "
                 "the epoch load_state_dict set) to finish the checkpoint's epoch first")
 
-    def replay_to_end(self, state: dict):
+    def replay_to_end(self, cp: Checkpoint):
         """Run a finished epoch's index stream to its end, loading nothing.
 
         Leaves the loader's and the sampler's generators, and a stateful
@@ -85,48 +86,44 @@ class Replay:
         or None where the stream is not replayed (an IterableDataset, a
         ``"position"`` sampler).
         """
-        sampler_state = state["sampler_state"]
-        with replaying(self.generator, self.generators, state["epoch_start_rng"]):
-            if sampler_state is not None and sampler_state["protocol"] == "epoch_start":
-                self._load_sampler(sampler_state["state"])
+        with replaying(self.generator, self.generators, cp.epoch_start_rng):
+            if cp.sampler_state is not None and cp.sampler_state.protocol == "epoch_start":
+                self._load_sampler(cp.sampler_state.state)
             self._draw_shared_seed(keep=False)
             it = iterate(self.index_sampler)
-            if state["draws_base_seed"]:
+            if cp.draws_base_seed:
                 draw_base_seed(self.generator)
                 if self.num_workers > 0:
                     self._draw_shared_seed(keep=False)
-            if not self.is_iterable and not (
-                    sampler_state is not None and sampler_state["protocol"] == "position"):
+            if not self.is_iterable and cp.sampler_protocol != "position":
                 return _advance(it, None)
         return None
 
-    def locate(self, state: dict) -> tuple[int, int]:
+    def locate(self, cp: Checkpoint) -> int:
         """Rebuild a map-style state's epoch up to its checkpoint, loading nothing.
 
-        Returns ``(frontier, found)``: the batches the checkpoint counts as
-        consumed in order, and how many of the positions up to the last one it
-        names (the frontier's next, or the last yielded out of order) the epoch
-        actually has.  ``found == frontier`` with nothing out of order: every
-        batch was yielded, and the RNGs and the sampler are then where
-        ``replay_to_end`` leaves them.  ``found`` short of what the state names:
-        the state points past the end of this loader's epoch.
+        Returns ``found``: how many of the positions up to the last one it names
+        (the frontier's next, or the last yielded out of order) the epoch actually
+        has.  ``found == cp.frontier`` with nothing out of order: every batch was
+        yielded, and the RNGs and the sampler are then where ``replay_to_end``
+        leaves them.  ``found`` short of what the state names: the state points
+        past the end of this loader's epoch.
         """
-        ooo = sorted(p for p, _ in state["out_of_order_yielded"])
-        frontier = state["batches_yielded"] - len(ooo)
+        ooo = sorted(p for p, _ in cp.out_of_order_yielded)
+        frontier = cp.frontier
         last = ooo[-1] if ooo else frontier  # the last position the check needs
-        sampler_state = state["sampler_state"]
-        protocol = None if sampler_state is None else sampler_state["protocol"]
-        with replaying(self.generator, self.generators, state["epoch_start_rng"]):
-            if protocol in ("position", "epoch_start"):
-                self._load_sampler(sampler_state["state"])
+        protocol = cp.sampler_protocol
+        with replaying(self.generator, self.generators, cp.epoch_start_rng):
+            if cp.sampler_state is not None and protocol in ("position", "epoch_start"):
+                self._load_sampler(cp.sampler_state.state)
             self._draw_shared_seed(keep=False)  # the draws replay_to_end makes, in its order
             it = iterate(self.index_sampler)
-            if state["draws_base_seed"]:
+            if cp.draws_base_seed:
                 draw_base_seed(self.generator)
                 if self.num_workers > 0:
                     self._draw_shared_seed(keep=False)
             start = frontier if protocol == "position" else 0  # it resumes there itself
-            return frontier, start + _advance(it, last + 1 - start)
+            return start + _advance(it, last + 1 - start)
 
     def inexact(self) -> str | None:
         """Why a resume of this epoch cannot be exact, or None."""

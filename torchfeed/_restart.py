@@ -44,21 +44,12 @@ from typing import TYPE_CHECKING, Any, Callable
 from ._errors import describe_exit
 from ._ipc import HalfMessage, write_lock
 from ._protocol import TaskInfo
+from ._receive import ResultReceiver, WorkerDied
 
-if TYPE_CHECKING:  # both import this module
+if TYPE_CHECKING:
     from ._pin_memory import PinMemoryThread
-    from ._receive import ResultReceiver
 
 LOCK_PROBE = 1.0  # seconds the write lock may stay taken with nothing arriving
-
-
-class WorkerDied(Exception):
-    """Internal: worker ``worker_id`` is dead; the main thread decides what next."""
-
-    def __init__(self, worker_id: int, half_message: bool = False):
-        super().__init__(f"worker {worker_id} died")
-        self.worker_id = worker_id
-        self.half_message = half_message
 
 
 class CannotRestart(Exception):

@@ -16,6 +16,7 @@ import base64
 import binascii
 import random
 import struct
+from collections.abc import Mapping
 from contextlib import contextmanager
 
 import numpy as np
@@ -76,7 +77,7 @@ def decode_python_rng(text: str) -> tuple:
     return (3, words, gauss if has_gauss else None)
 
 
-def check_host_rngs(host: dict) -> None:
+def check_host_rngs(host: Mapping) -> None:
     """Raise ValueError unless numpy and Python could load these states."""
     for key, decode, load in (("numpy", decode_numpy_rng, np.random.RandomState().set_state),
                               ("python", decode_python_rng, random.Random().setstate)):
@@ -90,7 +91,7 @@ def check_host_rngs(host: dict) -> None:
 
 
 @contextmanager
-def host_rngs_at(host: dict | None):
+def host_rngs_at(host: Mapping | None):
     """numpy's and Python's global RNGs at ``host`` for the duration, then as they were."""
     if not host or (host.get("numpy") is None and host.get("python") is None):
         yield
@@ -108,14 +109,18 @@ def host_rngs_at(host: dict | None):
 
 
 @contextmanager
-def replaying(generator, generators, rng: dict):
+def replaying(generator, generators, rng: Mapping | None):
     """Set the RNGs back to an epoch's start; the global ones only for the duration.
 
     The loader's generator and the sampler's own generators stay where the
     replay leaves them: that is where the uninterrupted run had them.  The
     global torch RNG, and numpy's and Python's where the epoch recorded them,
-    belong to the training loop and are put back afterwards.
+    belong to the training loop and are put back afterwards.  ``rng``: a started
+    epoch's ``epoch_start_rng`` (never None there).
     """
+    if rng is None:
+        raise ValueError("cannot load this DataLoader state: field 'epoch_start_rng' is None "
+                         "in a state whose epoch started")
     if rng["generator"] is not None and generator is not None:
         generator.set_state(decode_rng(rng["generator"]))
     for g, text in zip(generators, rng["samplers"]):
@@ -126,7 +131,7 @@ def replaying(generator, generators, rng: dict):
 
 
 @contextmanager
-def drawing_from(text: str | None, host: dict | None = None):
+def drawing_from(text: str | None, host: Mapping | None = None):
     """Draw an epoch's start from the global RNG states an end-of-epoch checkpoint recorded.
 
     When the live global RNG is still there (the caller restored it), nothing

@@ -79,20 +79,20 @@ def _int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def saved_sampler_epoch(state: dict, sampler):
-    """The epoch a sampler with ``set_epoch`` was at in ``state``, or None.
+def saved_sampler_epoch(sampler_state, sampler):
+    """The epoch a sampler with ``set_epoch`` was at in a checkpoint's ``sampler_state``
+    (a ``_checkpoint.SamplerState``), or None.
 
     A ``"set_epoch"`` sampler's state is its epoch.  A ``"position"`` sampler
     that also has ``set_epoch`` and an int ``epoch`` (``torchfeed.DistributedSampler``)
     names its epoch in its own state, under ``"epoch"``.
     """
-    sampler_state = state["sampler_state"]
     if sampler_state is None:
         return None
-    if sampler_state["protocol"] == "set_epoch":
-        return sampler_state["state"]["epoch"]
-    saved = sampler_state["state"]
-    if sampler_state["protocol"] == "position" and isinstance(saved, Mapping) \
+    saved = sampler_state.state
+    if sampler_state.protocol == "set_epoch":
+        return saved["epoch"]
+    if sampler_state.protocol == "position" and isinstance(saved, Mapping) \
             and _int(saved.get("epoch")) and callable(getattr(sampler, "set_epoch", None)) \
             and _int(getattr(sampler, "epoch", None)):
         return saved["epoch"]

@@ -1,7 +1,14 @@
 """The loader's resumable state: its format, what ``state_dict()`` returns and what
-``load_state_dict`` applies.  The checks a state must pass live in
-``_state_validation.py``, the replay of its epoch in ``_replay.py`` (a mixin of
-``_index_stream.py``'s ``IndexStream``), the sampler's part in ``_sampler_state.py``.
+``load_state_dict`` applies.
+
+``load_state_dict`` reads the dict once, at this boundary, into a frozen
+``Checkpoint`` (``_checkpoint.py``, which also checks what needs no loader),
+fits it to this loader (``_state_validation.py``), and plans the next
+``iter()`` (a ``Plan`` in the loader's ``ResumeBook``, ``_resume_book.py``);
+every step after the reading takes the ``Checkpoint``, and nothing below this
+module imports it.  The replay of a state's epoch lives in ``_replay.py`` (a
+mixin of ``_index_stream.py``'s ``IndexStream``), the sampler's part in
+``_sampler_state.py``.
 
 A state is a position in a deterministic index stream, never data (the design
 of Grain's checkpoints).  For a map-style dataset it says which epoch, how many
@@ -43,13 +50,22 @@ The format (version 1), plain values only, so it survives ``json`` and
                                     # a streaming library's state: _streaming_adapters.py
      "exhausted_workers": [int, ...],  # the last batch yielded exhausted their stream
      "next_worker": int,
-     "next_epoch_global_rng": str | None,  # at an epoch's end: the global RNG at state_dict()
+     "next_epoch_global_rng": str | None,  # at an epoch's end (or before the first
+                                           # iter()): the global RNG at state_dict()
      "next_epoch_host_rng": {"numpy": str, "python": str} | None,  # and numpy's, Python's
      "sampler": str | None}  # map-style: the kind of sampler, "BatchSampler(RandomSampler)"
 
 An epoch is at its end when it finished, or when every batch was yielded but
 nothing called ``next()`` again (a framework that knows ``len(loader)``, as
-Lightning does): ``load_state_dict`` counts the latter as finished too.
+Lightning does): ``load_state_dict`` counts the latter as finished too.  What a
+dataset copy carries into the next epoch is restored as the uninterrupted run
+carried it: with ``num_workers=0``, ``load_state_dict`` loads the dataset
+object's state itself, before the next epoch's draws (its state may hold the
+global RNG); persistent workers, started again, load their copy's state and,
+into an iterator of the ended epoch, the state that iterator ended with
+(torchdata's order), so what it sets in the worker (its global RNG) is there
+when the next epoch calls ``iter(dataset)``.  Workers that are not persistent
+start the next epoch fresh, as torch's do.
 
 ``next_epoch_global_rng``, ``next_epoch_host_rng``, ``sampler``,
 ``epoch_start_rng["host"]``, ``iterator_states`` and ``dataset_state`` were added
@@ -82,6 +98,10 @@ The global RNG belongs to the training loop; what is guaranteed without a
 ``generator`` (the shuffle and base seed then come from it, as in torch):
 
 * the epoch in progress is replayed from the state alone;
+* a state taken before the loader's first ``iter()`` records the global RNG as
+  one at an epoch's end does (below), so the epoch it starts draws what the
+  saving loader's first epoch drew (torchdata draws the base seed at that
+  ``state_dict()``);
 * a state taken at the end of an epoch records the global RNG as it was at that
   ``state_dict()``.  At the next ``iter()``, if the live global RNG is still
   there (the checkpoint restored it), the epoch draws from it as torch does.
@@ -91,9 +111,11 @@ The global RNG belongs to the training loop; what is guaranteed without a
   epoch's ``epoch_start_rng``.  Either way the epoch is the uninterrupted run's
   if that run drew nothing from the global RNG between the ``state_dict()`` and
   its next ``iter()``;
-* after a state taken inside an epoch, later epochs draw from the live global
-  RNG, so they match the uninterrupted run only when the checkpoint also
-  restores ``torch.get_rng_state()``.
+* every epoch after the first resumed one (after a state taken inside an
+  epoch, every epoch after it) draws from the live global RNG, which the
+  training loop also consumes, so it matches the uninterrupted run only when
+  the checkpoint also restores ``torch.get_rng_state()`` (or with a
+  ``generator``).
 """
 from __future__ import annotations
 
@@ -102,122 +124,14 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 
 import torch
-from torch.utils.data import IterableDataset
 
+from ._checkpoint import Checkpoint
 from ._index_stream import IndexStream
+from ._resume_book import Plan, ResumeBook
 from ._rng import encode_host_rngs, encode_rng
-from ._sampler_state import describe_sampler
-from ._state_validation import KIND, VERSION, check_finished, check_position, validate
-from ._stateful import check, has_worker_state, warn_stateless
-from ._streaming_adapters import adapter_for
-from .distributed import rank_and_world_size
-
-
-class Plan:
-    """What the next epoch started on a loader is: its number, and what to restore."""
-
-    __slots__ = ("epoch", "state", "base_seed", "worker_states", "exhausted_workers",
-                 "global_rng", "host_rng", "next", "iterator_states")
-
-    def __getstate__(self):
-        return {name: getattr(self, name) for name in self.__slots__}
-
-    def __setstate__(self, state) -> None:
-        for name, value in state.items():
-            setattr(self, name, value)
-
-    def __init__(self, epoch: int, state=None, base_seed=None, worker_states=None,
-                 exhausted_workers=(), global_rng=None, host_rng=None, next=None,
-                 iterator_states=None) -> None:
-        self.epoch = epoch
-        self.state = state                  # a state whose epoch this one continues
-        self.base_seed = base_seed          # persistent workers keep one base seed
-        self.worker_states = worker_states  # dataset states to load first
-        self.iterator_states = iterator_states  # loaded into what iter(dataset) returns
-        self.exhausted_workers = exhausted_workers  # workers with nothing left this epoch
-        self.global_rng = global_rng        # a new epoch's draws come from this global RNG
-        self.host_rng = host_rng            # and from these numpy / Python global RNGs
-        # A state with every batch yielded, for a sampler with set_epoch: the plan
-        # for the next epoch, taken if the sampler was set to another epoch since.
-        self.next = next
-
-
-_LEN_UNKNOWN = object()  # len(dataset) not asked for yet
-
-
-class ResumeBook:
-    """Per-loader book-keeping: the live index stream, the epoch count, a loaded state."""
-
-    undo_start = None  # set while an iter() is starting an epoch (see starting())
-
-    def __init__(self, loader) -> None:
-        self.live: IndexStream | None = None  # the IndexStream of the latest epoch started
-        self.next_epoch = 0
-        self.plan: Plan | None = None  # set by load_state_dict, used by the next iter()
-        self.loaded: dict | None = None  # the state loaded, returned by state_dict() until then
-        self.warned = False   # state_dict() said once why a resume cannot be exact
-        dataset = loader.dataset
-        self.adapter = adapter_for(dataset)  # mosaicml-streaming's, litdata's dataset
-        iterable = isinstance(dataset, IterableDataset)
-        # len(dataset) waits until a state is saved or loaded (see header):
-        # torch's iter() calls it only through a sampler that needs it.
-        self._dataset = None if iterable else dataset
-        self._header = {
-            "version": VERSION, "kind": KIND,
-            "dataset_kind": "iterable" if iterable else "map", "dataset_len": _LEN_UNKNOWN,
-            "batch_size": loader.batch_size, "drop_last": bool(loader.drop_last),
-            "num_workers": loader.num_workers,
-            "persistent_workers": bool(loader.persistent_workers),
-            # an IterableDataset's per-rank stream only resumes at this world size
-            "world_size": rank_and_world_size()[1] if iterable else None,
-            "sampler": None if iterable else describe_sampler(loader._index_sampler),
-        }
-
-    @property
-    def header(self) -> dict:
-        if self._header["dataset_len"] is _LEN_UNKNOWN:
-            try:
-                length = None if self._dataset is None else len(self._dataset)
-            except (TypeError, NotImplementedError):  # no usable __len__: torch's
-                length = None                         # batch_sampler path works without
-            self._header["dataset_len"] = length
-            self._dataset = None
-        return self._header
-
-    def __getstate__(self):
-        # A copied or pickled loader keeps its epoch count and a pending loaded
-        # state, not the live iteration (whose sampler iterator cannot be copied):
-        # like torch's loader, the copy's next iter() starts an epoch.
-        return {"live": None, "next_epoch": self.next_epoch, "plan": self.plan,
-                "loaded": self.loaded, "_header": self.header, "_dataset": None,
-                "warned": self.warned, "adapter": self.adapter}
-
-    def __setstate__(self, state) -> None:
-        self.__dict__.update(state)
-
-    @staticmethod
-    def of(loader) -> "ResumeBook":
-        book = loader.__dict__.get("_resume_book")
-        if book is None:
-            book = loader.__dict__["_resume_book"] = ResumeBook(loader)
-        return book
-
-    def undo_point(self):
-        """What ``begin`` changes, to put back if the epoch then fails to start."""
-        saved = (self.plan, self.loaded, self.live, self.next_epoch)
-
-        def undo() -> None:
-            self.plan, self.loaded, self.live, self.next_epoch = saved
-        return undo
-
-    def begin(self, stream, plan: Plan | None = None) -> Plan:
-        """Start the epoch ``plan`` says (default: the pending one, else the next)."""
-        if plan is None:
-            plan = self.plan if self.plan is not None else Plan(self.next_epoch)
-        self.plan = self.loaded = None
-        self.live = stream
-        self.next_epoch = plan.epoch + 1
-        return plan
+from ._sampler_state import may_draw_host_rngs, stateful_sampler
+from ._state_validation import check_finished, check_position, fit
+from ._stateful import check, warn_stateless
 
 
 @contextmanager
@@ -241,16 +155,22 @@ def starting(loader):
 def state_dict(loader) -> dict:
     book = ResumeBook.of(loader)
     if book.loaded is not None:
-        return dict(book.loaded)
+        return book.loaded.as_dict()
     state = dict(book.header)
     s = book.live
     if s is None:  # nothing started yet: the start of epoch 0
+        # The epoch will draw its start (base seed, shuffle) from the global RNGs as they
+        # are now, so they are recorded as at an epoch's end (torchdata draws the
+        # base seed here).
+        host = state["dataset_kind"] == "map" and may_draw_host_rngs(
+            loader._index_sampler, stateful_sampler(loader._index_sampler)[1])
         state.update(epoch=book.next_epoch, epoch_finished=False, batches_yielded=0,
                      samples_yielded=0, out_of_order_yielded=[], base_seed=None,
                      draws_base_seed=True, epoch_start_rng=None, sampler_state=None,
                      worker_states=None, iterator_states=None, dataset_state=None,
                      exhausted_workers=[], next_worker=0,
-                     next_epoch_global_rng=None, next_epoch_host_rng=None)
+                     next_epoch_global_rng=encode_rng(torch.get_rng_state()),
+                     next_epoch_host_rng=encode_host_rngs() if host else None)
         return state
     state["epoch"] = s.epoch
     state["epoch_finished"] = s.finished
@@ -291,12 +211,13 @@ def state_dict(loader) -> dict:
 def load_state_dict(loader, state) -> None:
     if isinstance(state, Mapping) and len(state) == 0:
         return  # torchdata's convention: an empty state restores nothing
+    checkpoint = Checkpoint.read(state)  # the one reading of the dict
     book = ResumeBook.of(loader)
     probe = IndexStream(loader, book)  # what this loader's stream looks like; starts nothing
-    state = validate(state, book.header, loader, probe)
+    checkpoint = fit(checkpoint, book.header, loader, probe)
     undo = _undo_point(loader, probe)
     try:
-        plan = _plan(loader, probe, state)
+        plan = _plan(loader, probe, checkpoint)
     except BaseException:
         undo()  # a refused state leaves the loader as it was
         raise
@@ -305,52 +226,68 @@ def load_state_dict(loader, state) -> None:
     if iterator is not None:
         iterator.shutdown()
         loader._iterator = None
-    if state["dataset_state"] is not None:  # validated: this loader has the same library
-        book.adapter.load(state["dataset_state"]["state"])
-    warn_stateless(loader, state, plan.epoch)
-    book.plan, book.loaded, book.live = plan, state, None
+    if checkpoint.dataset_state is not None:  # fit: this loader has the same library
+        book.adapter.load(checkpoint.dataset_state.state)
+    if loader.num_workers == 0:
+        _load_finished_dataset_state(loader.dataset, plan)
+    warn_stateless(loader, checkpoint, plan.epoch)
+    book.plan, book.loaded, book.live = plan, checkpoint, None
     book.next_epoch = plan.epoch
 
 
-def _plan(loader, probe: IndexStream, state: dict) -> Plan:
-    """What the next iter() does with ``state``; raises ValueError if it cannot apply.
+def _plan(loader, probe: IndexStream, cp: Checkpoint) -> Plan:
+    """What the next iter() does with ``cp``; raises ValueError if it cannot apply.
 
     A map-style state inside an epoch is replayed up to its checkpoint here
     (indices only), so one that points past the end of this loader's epoch is
     refused now, and one with every batch yielded (a framework that knows
     ``len(loader)`` never calls ``next()`` after the last) counts as finished.
     """
-    epoch = state["epoch"]
+    epoch = cp.epoch
     carries = loader.num_workers == 0 or probe.persistent  # the same dataset copies go on
-    probe.restore_sampler_epoch(state)
-    if state["epoch_start_rng"] is None:  # saved before its epoch started
-        return Plan(epoch)
-    finished = state["epoch_finished"]
+    probe.restore_sampler_epoch(cp)
+    if not cp.started:  # saved before its epoch started
+        return Plan(epoch, global_rng=cp.next_epoch_global_rng, host_rng=cp.next_epoch_host_rng)
+    finished = cp.epoch_finished
     if finished:
-        check_finished(state, probe.replay_to_end(state))
+        check_finished(cp, probe.replay_to_end(cp))
     elif not probe.is_iterable:
-        frontier, found = probe.locate(state)
         # every batch yielded: locate left the RNGs and the sampler at the end
-        finished = check_position(state, frontier, found)
+        finished = check_position(cp, probe.locate(cp))
     if finished:
         after = Plan(epoch + 1,
-                     base_seed=state["base_seed"] if probe.persistent else None,
-                     worker_states=state["worker_states"] if carries else None,
-                     global_rng=state["next_epoch_global_rng"],
-                     host_rng=state["next_epoch_host_rng"])
-        if state["epoch_finished"] or probe.saved_sampler_epoch(state) is None:
+                     base_seed=cp.base_seed if probe.persistent else None,
+                     worker_states=cp.worker_states if carries else None,
+                     ended_iterator_states=cp.iterator_states if probe.persistent else None,
+                     global_rng=cp.next_epoch_global_rng,
+                     host_rng=cp.next_epoch_host_rng)
+        if cp.epoch_finished or probe.saved_sampler_epoch(cp) is None:
             return after
         # Every batch yielded, and the sampler has set_epoch: the loop tells which
         # epoch it wants.  set_epoch(epoch + 1) before iter() (Lightning) starts it;
         # left at the saved epoch (a loop that resumes its own epoch count), the
         # saved epoch goes on, with nothing left in it, so no epoch is dealt twice.
-        return Plan(epoch, state=state, next=after)
-    if probe.is_iterable and (state["dataset_state"] is not None
-                              or not has_worker_state(state)):
-        return Plan(epoch, state=state)  # the library skips, or the loader re-reads
-    return Plan(epoch, state=state, worker_states=state["worker_states"],
-                exhausted_workers=tuple(state["exhausted_workers"]),
-                iterator_states=state["iterator_states"])
+        return Plan(epoch, checkpoint=cp, next=after)
+    if probe.is_iterable and (cp.dataset_state is not None or not cp.has_worker_state):
+        return Plan(epoch, checkpoint=cp)  # the library skips, or the loader re-reads
+    return Plan(epoch, checkpoint=cp, worker_states=cp.worker_states,
+                exhausted_workers=cp.exhausted_workers, iterator_states=cp.iterator_states)
+
+
+def _load_finished_dataset_state(dataset, plan: Plan) -> None:
+    """A state at an epoch's end, in the main process: the dataset object's state, now.
+
+    In the uninterrupted run the same object goes on into the next epoch with that
+    state, before the epoch's draws; a dataset whose state holds the global RNG
+    (torchdata's examples do) must have set it by then, not after them.
+    """
+    for p in (plan, plan.next):
+        if p is None or p.checkpoint is not None or p.worker_states is None:
+            continue
+        saved, p.worker_states = p.worker_states[0], None
+        if saved is not None:
+            dataset.load_state_dict(saved)
+            return
 
 
 def _undo_point(loader, probe: IndexStream):

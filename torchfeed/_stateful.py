@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch.utils.data import IterableDataset
+
+if TYPE_CHECKING:
+    from ._checkpoint import Checkpoint
 
 
 def _binds(method, *args) -> bool:
@@ -130,18 +133,12 @@ def check(state):
     return state
 
 
-def has_worker_state(state: dict) -> bool:
-    """A saved state holds some worker's dataset or iterator state."""
-    return any(ws is not None for ws in state["worker_states"] or ()) or any(
-        its is not None for its in state.get("iterator_states") or ())
-
-
-def warn_stateless(loader, state: dict, epoch: int) -> None:
+def warn_stateless(loader, cp: Checkpoint, epoch: int) -> None:
     """One warning for an IterableDataset resumed without any state of its own."""
-    if not isinstance(loader.dataset, IterableDataset) or state["dataset_state"] is not None \
-            or has_worker_state(state):
+    if not isinstance(loader.dataset, IterableDataset) or cp.dataset_state is not None \
+            or cp.has_worker_state:
         return
-    reread = 0 if state["epoch_finished"] else state["batches_yielded"]
+    reread = 0 if cp.epoch_finished else cp.batches_yielded
     if reread == 0 and epoch == 0:
         return  # the start of the first epoch: nothing to restore
     name = type(loader.dataset).__name__

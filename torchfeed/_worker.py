@@ -215,6 +215,11 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             dataset.load_state_dict(resume.dataset_state)
         except Exception as exc:
             init_failure = WorkerFailure(exc, worker_id, "dataset.load_state_dict")
+    if init_failure is None and resume is not None and resume.ended_iterator_state is not None:
+        try:
+            iter(dataset).load_state_dict(resume.ended_iterator_state)
+        except Exception as exc:
+            init_failure = WorkerFailure(exc, worker_id, "iterator.load_state_dict")
 
     packer = channel.packer(worker_id)
     # torch's default_collate becomes one that stacks straight into the transport's slot.

@@ -147,6 +147,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         batches prefetched but not yet yielded are not counted as consumed.
         Survives ``json`` and ``torch.save``/``torch.load(weights_only=True)``.
         After ``torchfeed.prepare``, the state of the loader the framework runs.
+
+        .. warning:: With a global-RNG sampler (``shuffle=True`` and no
+           ``generator``), the first epoch after a restart is exact: the rest of
+           the saved epoch, or, for a state at an epoch's end or before the first
+           ``iter()``, the next epoch (the state keeps the RNG it draws from).
+           Later epochs draw from torch's global RNG, which your own code also
+           consumes, so they match the uninterrupted run only if it does.  Pass a
+           ``generator``, or save ``torch.get_rng_state()`` with the checkpoint and
+           restore it on restart, to make every epoch exact.
         """
         engine = prepared_engine(self)
         if engine is not None:
