@@ -17,6 +17,7 @@ from typing import TypeVar, cast
 import torch.utils.data
 
 from . import _state
+from ._device import validate_device
 from ._errors import nested_worker_error
 from ._iterator_base import BaseIterator
 from ._multiprocess import MultiProcessIterator
@@ -66,6 +67,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             ``logging.getLogger("torchfeed")`` at INFO.  Default ``None``: no
             line, unless the ``TORCHFEED_LOG_EVERY`` environment variable sets
             a number of batches.
+        device (str, torch.device or int): hand batches over already on this
+            CUDA device (``"cuda"``: the current device when ``iter()`` is
+            called).  Each batch is copied on the loader's own stream while the
+            training loop computes on the one before, and the loop's current
+            stream waits for the copy on the GPU.  Default ``None``: batches
+            stay on the CPU, as in torch.  See the README, "Feeding a GPU".
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
@@ -73,7 +80,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, transport=None, seed_per_batch=False,
-                 snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0):
+                 snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0,
+                 device=None):
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -90,6 +98,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         validate_max_worker_restarts(max_worker_restarts, dataset)
         self.max_worker_restarts = max_worker_restarts
         self.log_every = resolve_log_every(log_every)
+        validate_device(device)
+        self.device = device
 
     def __iter__(self):
         kept = self.__dict__.get("_iterator")

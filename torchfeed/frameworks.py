@@ -53,7 +53,7 @@ _FROM_FRAMEWORK = ("worker_init_fn", "generator")
 _FROM_USER = ("num_workers", "collate_fn", "pin_memory", "timeout", "multiprocessing_context",
               "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
               "transport", "seed_per_batch", "snapshot_every_n_steps", "log_every",
-              "max_worker_restarts")
+              "max_worker_restarts", "device")
 
 
 def prepare(framework_prepare, loader, *args, **kwargs):
