@@ -68,6 +68,7 @@ _lock = threading.Lock()
 _registered: dict[int, int] = {}  # mapping address -> length, registered with CUDA
 _starts: list[int] = []           # the addresses, sorted (``owning_range``)
 _warned: list[bool] = [False]
+registrations = [0]  # cudaHostRegister calls made by this process (one per slot)
 
 
 def wanted() -> bool:
@@ -88,6 +89,7 @@ def register(shared_map) -> bool:
                 f"without page-locked slots. Set {ENV_DISABLE}=0 to silence this.", stacklevel=2)
         return False
     with _lock:
+        registrations[0] += 1
         _registered[shared_map.addr] = shared_map.length
         bisect.insort(_starts, shared_map.addr)
     return True
