@@ -220,3 +220,22 @@ def test_batches_not_in_a_slot_are_pinned_by_copy_as_before():
     for batch in loader:
         assert batch["x"].is_pinned()
         assert _page_lock.registered_bytes() == 0
+
+
+@pytest.mark.timeout(120)
+def test_readme_device_stage_example_runs_as_written(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), re.S)
+    [block] = [b for b in blocks if b.startswith("# feed_gpu.py")]
+    (tmp_path / "feed_gpu.py").write_text(block)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    proc = subprocess.run([sys.executable, "feed_gpu.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("batches on cuda:0 stats: 8"), proc.stdout
