@@ -54,3 +54,34 @@ def test_cuda_device_without_cuda_raises_at_iter_and_starts_nothing(num_workers,
     assert set(multiprocessing.active_children()) == before
     loader.device = None  # the attribute is the option, as for torch's own
     assert len(_batches(loader)) == 4
+
+
+@pytest.mark.timeout(30)
+def test_releaser_runs_every_deferred_release_once_and_its_thread_ends():
+    """The releaser of page-locked slots (``_transport/_page_lock.py``) as plumbing:
+    releases deferred from several threads each run once, ``drain`` waits for
+    them, and its thread ends once idle. Its fences need CUDA (test_gpu_feed.py)."""
+    import threading
+    import time
+
+    from torchfeed._transport._page_lock import LINGER, Releaser
+
+    releaser = Releaser()
+    ran = []
+
+    def producer(t):
+        for i in range(200):
+            releaser.defer(lambda i=i: ran.append((t, i)), addr=None)
+
+    threads = [threading.Thread(target=producer, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert releaser.drain(timeout=10)
+    assert sorted(ran) == [(t, i) for t in range(4) for i in range(200)]
+    deadline = time.monotonic() + LINGER + 5
+    while releaser._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert releaser._thread is None
+    assert not [t for t in threading.enumerate() if t.name == "torchfeed-slot-releaser"]

@@ -64,7 +64,7 @@ _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA c
 ENV_DISABLE = "TORCHFEED_PAGE_LOCKED_SLOTS"  # "0": pin slot batches by copy, as before
 LINGER = 0.5  # seconds the releaser's thread waits for more work before it ends
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # RLock: a weakref callback may unregister while this thread holds it
 _registered: dict[int, int] = {}  # mapping address -> length, registered with CUDA
 _starts: list[int] = []           # the addresses, sorted (``owning_range``)
 _warned: list[bool] = [False]
@@ -200,23 +200,27 @@ class Releaser:
                         self._thread = None
                         return
                 jobs, self._jobs = self._jobs, []
-            try:
-                self._fence(jobs)
-            except Exception:  # noqa: BLE001 - never free on a failed fence: wait for everything
-                try:
-                    torch.cuda.synchronize()
-                except Exception:  # noqa: BLE001 - CUDA is gone: nothing can read the slots
-                    pass
-            for job in jobs:
-                try:
-                    job.fn()
-                except Exception:  # noqa: BLE001 - a slot's release must not stop the others
-                    pass
-            self.rounds += 1
+            done = self._round(jobs)
+            del jobs  # no slot's function kept alive while the thread waits
             with self._cond:
-                self._pending -= len(jobs)
+                self._pending -= done
                 self._cond.notify_all()
-            del jobs, job
+
+    def _round(self, jobs: list[_Job]) -> int:
+        try:
+            self._fence(jobs)
+        except Exception:  # noqa: BLE001 - never free on a failed fence: wait for everything
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 - CUDA is gone: nothing can read the slots
+                pass
+        for job in jobs:
+            try:
+                job.fn()
+            except Exception:  # noqa: BLE001 - a slot's release must not stop the others
+                pass
+        self.rounds += 1
+        return len(jobs)
 
     def _fence(self, jobs) -> None:
         events = [job.event for job in jobs if job.event is not None]
@@ -308,7 +312,7 @@ def enable(channel) -> None:
 def _forget_in_child() -> None:
     """A forked child shares none of the parent's registrations, nor its thread."""
     global releaser, _lock
-    _lock = threading.Lock()  # another thread may have held it at the fork
+    _lock = threading.RLock()  # another thread may have held it at the fork
     _registered.clear()
     _starts.clear()
     releaser = Releaser()
