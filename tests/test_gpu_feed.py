@@ -97,7 +97,7 @@ def _to_gpu(batch):
     return {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("where", ["current", "side"])
 def test_every_batch_right_when_cpu_batches_die_right_after_their_copy(where):
     loader = torchfeed.DataLoader(Rows(BATCHES * B), batch_size=B, num_workers=4,
@@ -132,7 +132,7 @@ def test_every_batch_right_when_cpu_batches_die_right_after_their_copy(where):
     assert _drained() == 0  # the iterator ended: nothing left registered
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)
 def test_device_stage_every_batch_right_and_state_counts_what_the_user_got():
     loader = torchfeed.DataLoader(Rows(BATCHES * B), batch_size=B, num_workers=4,
                                   pin_memory=True, device="cuda")
