@@ -22,9 +22,14 @@ What is measured:
 * feed only: each batch goes to the GPU (``non_blocking=True``) and the CPU
   batch is dropped; GB/s of batch bytes over wall time, after a warm-up.
   Beside it: the pinned-copy limit (one pinned buffer of the batch's size
-  copied to the device again and again), the pageable copy, and ``made``:
-  what the same workers produce when the batch is sent nowhere (a torchfeed
-  loader whose collate builds the batch and returns a scalar);
+  copied to the device again and again), the pageable copy, ``made``: what
+  the same workers produce when the batch is sent nowhere (a torchfeed loader
+  whose collate builds the batch with ``default_collate``, into fresh memory,
+  and returns a scalar), and ``to-main``: torchfeed's batches reaching the
+  main process, which drops them (``pin_memory=False``, nothing sent to the
+  GPU): the rate of the workers and the transport, the most any GPU feed of
+  theirs can reach. The warm-up covers the slots' creation (and, page-locked,
+  their registration): ``2 x workers`` batches more than ``--quick``'s 4;
 * ``first ms``: from ``iter()`` to the first batch on the GPU (with
   page-locked slots, the first batch pays the slot's registration);
 * ``CPU us/b``: CPU time of the whole main process (every thread: pin thread,
@@ -117,6 +122,8 @@ def make_loader(name, dataset, workers):
         return _sdl()(dataset, **kw)
     if name == "made":
         return torchfeed.DataLoader(dataset, collate_fn=sent_nowhere, **kw)
+    if name == "to-main":
+        return torchfeed.DataLoader(dataset, **{**kw, "pin_memory": False})
     if name == "tf-device":
         return torchfeed.DataLoader(dataset, device="cuda", **kw)
     return torchfeed.DataLoader(dataset, **kw)
@@ -135,7 +142,7 @@ def feed_run(name, dataset, workers, warmup, batches):
                 torch.cuda.synchronize()
                 wall, cpu, nbytes = time.perf_counter(), time.process_time(), 0
             batch = next(it)
-            if name == "made":
+            if name in ("made", "to-main"):
                 nbytes += batch_bytes(dataset)
                 del batch
                 continue
@@ -151,7 +158,8 @@ def feed_run(name, dataset, workers, warmup, batches):
         torch.cuda.synchronize()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         del it, loader
-    return nbytes / wall / 1e9, (first if name != "made" else float("nan")), cpu / batches * 1e6
+    first = first if name not in ("made", "to-main") else float("nan")
+    return nbytes / wall / 1e9, first, cpu / batches * 1e6
 
 
 def batch_bytes(dataset) -> int:
@@ -286,18 +294,21 @@ def main(argv=None) -> int:
               f"pageable {pageable:.1f} GB/s; a registered slot: {registered:.1f} GB/s, "
               f"register {reg:.1f} ms, unregister {unreg:.1f} ms", flush=True)
         for w in workers:
-            res: dict[str, list] = {n: [] for n in loaders + ["made"]}
+            refs = ["made", "to-main"]
+            res: dict[str, list] = {n: [] for n in loaders + refs}
             for r in range(repeats):
-                for name in rotated(loaders + ["made"], r):
-                    res[name].append(feed_run(name, dataset, w, warmup, batches))
+                for name in rotated(loaders + refs, r):
+                    res[name].append(feed_run(name, dataset, w, warmup + 2 * w, batches))
             made = statistics.median(x[0] for x in res["made"])
+            to_main = statistics.median(x[0] for x in res["to-main"])
             cells = []
             for name in loaders:
                 gbs = statistics.median(x[0] for x in res[name])
                 first = statistics.median(x[1] for x in res[name])
                 cpu = statistics.median(x[2] for x in res[name])
                 cells.append(f"{name} {gbs:5.1f} GB/s {first:5.0f} ms {cpu:6.0f} us")
-            print(f"  {dtype} {w:>2} workers | made {made:5.1f} GB/s | " + " | ".join(cells),
+            print(f"  {dtype} {w:>2} workers | made {made:5.1f} GB/s | to-main {to_main:5.1f} GB/s | "
+                  + " | ".join(cells),
                   flush=True)
 
     print("\nResNet-50 training (bf16 autocast, channels_last, SGD): img/s (fraction of 'none')")
@@ -309,7 +320,7 @@ def main(argv=None) -> int:
         res = {n: [] for n in ["none"] + loaders}
         for r in range(repeats):
             for name in rotated(["none"] + loaders, r):
-                res[name].append(train_run(trainer, name, dataset, w, t_warm, t_steps))
+                res[name].append(train_run(trainer, name, dataset, w, t_warm + w, t_steps))
         none = statistics.median(res["none"])
         cells = [f"{n} {statistics.median(res[n]):6.0f} ({statistics.median(res[n]) / none:4.0%})"
                  for n in loaders]
