@@ -23,7 +23,7 @@ from torchfeed._torch_compat import (
 
 TorchLoader = torch.utils.data.DataLoader
 TORCHFEED_ONLY = {"transport", "seed_per_batch", "snapshot_every_n_steps", "log_every",
-                  "max_worker_restarts"}
+                  "max_worker_restarts", "device"}
 
 
 # -- signature ---------------------------------------------------------------------------
@@ -226,9 +226,9 @@ def test_rebuild_keeps_every_torch_attribute():
                                   prefetch_factor=3, pin_memory_device="",
                                   **({"in_order": False} if TAKES_IN_ORDER else {}),
                                   generator=gen, multiprocessing_context="spawn",
-                                  seed_per_batch=True)
+                                  seed_per_batch=True, device="cpu")
     rebuilt = _rebuild_with_sampler(loader, _dist_sampler())
-    for name in ATTRS + ["seed_per_batch", "transport", "snapshot_every_n_steps"]:
+    for name in ATTRS + ["seed_per_batch", "transport", "snapshot_every_n_steps", "device"]:
         if name != "_auto_collation":
             assert getattr(rebuilt, name) == getattr(loader, name), name
     assert rebuilt.generator is gen

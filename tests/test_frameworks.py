@@ -75,9 +75,10 @@ def test_accelerate_keeps_torchfeed_and_round_trips_save_state(new_accelerator, 
 
     accelerator = new_accelerator()
     loader, ours = _through_accelerate(accelerator, torchfeed.DataLoader, seed=3,
-                                       transport="shm")
+                                       transport="shm", device=accelerator.device)
     assert type(ours.base_dataloader) is torchfeed.DataLoader  # what iterates
     assert ours.base_dataloader.transport == "shm"
+    assert ours.base_dataloader.device == accelerator.device  # the device stage survives
     got = []
     for step, batch in enumerate(ours):
         assert batch.device == accelerator.device  # Accelerate still places the batches

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset, IterableDataset
 import torchfeed
 from torchfeed import _transport
 from torchfeed._torch_compat import accelerator_available
+from torchfeed._transport import _page_lock
 
 Pair = collections.namedtuple("Pair", "image label")
 
@@ -293,7 +294,24 @@ def test_pin_memory_pins_and_frees_slots_early_or_behaves_as_torch_without_an_ac
     assert _pin_warnings(caught) == torch_warnings
     for b, e in zip(held, expected):
         assert torch.equal(b.image, e.image) and torch.equal(b.label, e.label)
-    if accelerator_available():
+    if accelerator_available() and _page_lock.wanted():
+        # CUDA: the slots themselves are page-locked, so the batches are pinned
+        # views of them, no copy; a slot goes back once its batch is dropped and
+        # no copy can read it any more (the releaser's fence).
+        assert torch_warnings == []
+        assert all(b.image.is_pinned() and b.label.is_pinned() for b in held)
+        assert all(_in_slot(b.image) for b in held)
+        deadline = time.monotonic() + 5  # every batch sent for has arrived: in_use settles
+        while loader.stats()["queues"]["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        in_use = loader.stats()["shm"]["in_use"]
+        assert in_use >= len(held)
+        del held, b
+        deadline = time.monotonic() + 5
+        while loader.stats()["shm"]["in_use"] > in_use - 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert loader.stats()["shm"]["in_use"] <= in_use - 6
+    elif accelerator_available():
         assert torch_warnings == []
         assert all(b.image.is_pinned() and b.label.is_pinned() for b in held)
         assert not _in_slot(held[0].image)

@@ -7,6 +7,9 @@
     user ◄─ pin ◄─ reorder ◄─ receiver ◄────── result_queue ◄───┘
                                 (_receive.py)
 
+With ``device=`` set, the pin thread also copies each batch to the device
+(``_device.py``), and ``_process_data`` hands it over on the user's stream.
+
 Book-keeping follows torch's: ``send_idx`` numbers tasks as they go out,
 ``rcvd_idx`` is the next task to hand to the user, ``task_info`` maps each
 outstanding task to its worker (and, unlike torch, to its sample indices, so
@@ -38,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ._device import DeviceFeedThread, hand_over, resolve_device
 from ._errors import WorkerFailure, describe_dead_worker
 from ._ipc import WAIT_SLICE, close_queue
 from ._iterator_base import BaseIterator
@@ -49,7 +53,7 @@ from ._restart import WorkerRestarts
 from ._stack_dump import timeout_message
 from ._stats import LiveCounts
 from ._torch_compat import assertion_message, in_order, pin_device_index
-from ._transport import create_channel
+from ._transport import _page_lock, create_channel
 from ._worker import WorkerSpec
 
 _live_iterators: weakref.WeakSet = weakref.WeakSet()
@@ -64,6 +68,7 @@ def _shutdown_live_iterators() -> None:
 class MultiProcessIterator(BaseIterator):
     def __init__(self, loader) -> None:
         super().__init__(loader)
+        self._device = resolve_device(getattr(loader, "device", None))
         self._prefetch_factor = loader.prefetch_factor
         if self._prefetch_factor <= 0:
             # torch's constructor lets 0 through and its iterator refuses it,
@@ -86,6 +91,8 @@ class MultiProcessIterator(BaseIterator):
         self._result_queue = ctx.Queue()
         self._channel = create_channel(self._num_workers, ctx, loader)
         self._unpacker = self._channel.unpacker()
+        if self._pin_memory and _page_lock.wanted():
+            _page_lock.enable(self._channel)  # slots page-locked once, in the pin thread
         if self._stream.ships_state:  # batches may come with a dataset state or a short count
             self._unpacker = StatefulUnpacker(self._unpacker)
         self._receiver = ResultReceiver(self._result_queue, self._unpacker, self._stats,
@@ -109,7 +116,8 @@ class MultiProcessIterator(BaseIterator):
             # The pin thread calls the receiver at once, which reads the
             # live-worker flags: start it only once _reset has set them.
             self._reset(loader, first_iter=True)
-            if self._pin_memory or (loader.pin_memory and pass_through_requested()):
+            if (self._pin_memory or self._device is not None
+                    or (loader.pin_memory and pass_through_requested())):
                 self._start_pin_thread()
         except BaseException:
             self._shutdown_workers()
@@ -117,6 +125,10 @@ class MultiProcessIterator(BaseIterator):
 
     def _start_pin_thread(self) -> None:
         index = pin_device_index(self._pin_memory_device) if self._pin_memory else None
+        if self._device is not None:
+            self._pin_thread = DeviceFeedThread(self._receiver.receive, self._pin_memory_device,
+                                                index, self._pin_memory, self._device)
+            return
         self._pin_thread = PinMemoryThread(self._receiver.receive, self._pin_memory_device,
                                            index, pin=self._pin_memory)
 
@@ -338,7 +350,8 @@ class MultiProcessIterator(BaseIterator):
         if isinstance(data, WorkerFailure):
             self._stream.record_failure(batch_index, indices, worker_id)
             data.reraise()
-        return self._stream.yielded(data, batch_index, indices, worker_id)
+        data = self._stream.yielded(data, batch_index, indices, worker_id)
+        return data if self._device is None else hand_over(data, self._device)
 
     def live_counts(self) -> LiveCounts:
         """What the stats read when asked (``_stats.py``): workers, queues, slots, pin time."""

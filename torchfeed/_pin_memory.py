@@ -75,10 +75,16 @@ def pass_through_requested() -> bool:
 
 
 class PinMemoryThread:
-    """Reads ``receive()`` results, pins them, and queues them for the reorder step."""
+    """Reads ``receive()`` results, pins them, and queues them for the reorder step.
+
+    ``_process`` is what is done to each batch (the device stage, ``_device.py``,
+    also copies it to the device); ``max_ahead`` bounds the results queued
+    ahead of the consumer (0: no bound beyond the loader's prefetch)."""
+
+    max_ahead = 0
 
     def __init__(self, receive, device, device_index: int | None, pin: bool = True):
-        self.out: queue.Queue = queue.Queue()
+        self.out: queue.Queue = queue.Queue(self.max_ahead)
         # callable(timeout) -> (ok, (send_idx, batch)).  It must not keep the
         # iterator alive, not even for a moment (see _receive.py): a running
         # thread is a GC root, and a dropped iterator must still be collected.
@@ -102,21 +108,40 @@ class PinMemoryThread:
             try:
                 ok, item = self._receive(WAIT_SLICE)
             except Exception as exc:  # the main thread re-raises it
-                self.out.put(("error", exc))
+                self._put(("error", exc))
                 return
             if not ok:
                 continue
             send_idx, batch = item
-            if self._pin and not isinstance(batch, WorkerFailure) and send_idx is not None:
+            if self._processes() and not isinstance(batch, WorkerFailure) and send_idx is not None:
                 start = time.perf_counter()
                 try:
-                    batch = pin_memory(batch, self._device)
+                    batch = self._process(batch)
                 except Exception as exc:
                     batch = WorkerFailure(  # torch's words: "Caught X in pin memory thread for device 0."
                         exc, -1, f"pin memory thread for device {self._device_index}")
                 self.busy_seconds += time.perf_counter() - start
-            self.out.put(("data", (send_idx, batch)))
+            self._put(("data", (send_idx, batch)))
             del batch, item
+            self._dropped()
+
+    def _processes(self) -> bool:
+        return self._pin
+
+    def _process(self, batch):
+        return pin_memory(batch, self._device)
+
+    def _dropped(self) -> None:
+        """This thread's reference to the last batch is gone."""
+
+    def _put(self, item) -> None:
+        while True:
+            try:
+                self.out.put(item, timeout=WAIT_SLICE)
+                return
+            except queue.Full:  # the consumer is max_ahead behind
+                if self._done.is_set():
+                    return
 
     def stop(self) -> None:
         self._done.set()

@@ -15,6 +15,7 @@ import torch
 
 from . import _seeding
 from ._datapipes import shard_graph
+from ._device import resolve_device, to_device_now
 from ._fetch import create_fetcher
 from ._index_stream import NO_STATE
 from ._iterator_base import BaseIterator
@@ -35,6 +36,7 @@ class SingleProcessIterator(BaseIterator):
                 "num_workers=0 loads in the calling thread and cannot time out. Set "
                 "timeout=0, or num_workers > 0."))
         self._seed_per_batch = getattr(loader, "seed_per_batch", False)
+        self._device = resolve_device(getattr(loader, "device", None))
         shard_graph(self._dataset, 0, 0)  # a DataPipe: this rank's share, as torch does
         self._make_fetcher()
 
@@ -96,6 +98,8 @@ class SingleProcessIterator(BaseIterator):
             exhausted = getattr(self._fetcher, "exhausted", False)
         if self._pin_memory:
             data = pin_memory(data, self._pin_memory_device)
+        if self._device is not None:
+            data = to_device_now(data, self._device)
         samples = self._fetcher.last_size if self._is_iterable else None
         self._stream.record_yield(batch_index, indices, 0, state, exhausted, samples)
         return data

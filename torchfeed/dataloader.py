@@ -17,6 +17,7 @@ from typing import TypeVar, cast
 import torch.utils.data
 
 from . import _state
+from ._device import validate_device
 from ._errors import nested_worker_error
 from ._iterator_base import BaseIterator
 from ._multiprocess import MultiProcessIterator
@@ -68,6 +69,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             ``logging.getLogger("torchfeed")`` at INFO.  Default ``None``: no
             line, unless the ``TORCHFEED_LOG_EVERY`` environment variable sets
             a number of batches.
+        device (str, torch.device or int): hand batches over already on this
+            CUDA device (``"cuda"``: the current device when ``iter()`` is
+            called).  Each batch is copied on the loader's own stream while the
+            training loop computes on the one before, and the loop's current
+            stream waits for the copy on the GPU.  Default ``None``: batches
+            stay on the CPU, as in torch.  See the README, "Feeding a GPU".
     """
 
     if TAKES_IN_ORDER:  # torch 2.6 on: the constructor takes in_order
@@ -76,7 +83,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                      worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                      prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                      in_order=True, transport=None, seed_per_batch=False,
-                     snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0):
+                     snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0,
+                     device=None):
             super().__init__(
                 dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
                 batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -86,7 +94,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
                 in_order=in_order)
             self._set_options(dataset, transport, seed_per_batch, snapshot_every_n_steps,
-                              log_every, max_worker_restarts)
+                              log_every, max_worker_restarts, device)
     else:  # torch 2.4, 2.5: no in_order, so passing one is torch's TypeError
         def __init__(  # type: ignore[misc]  # the two variants differ by in_order alone
                 self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
@@ -94,7 +102,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                 prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                 transport=None, seed_per_batch=False,
-                snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0):
+                snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0,
+                device=None):
             super().__init__(
                 dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
                 batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -103,10 +112,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 generator=generator, prefetch_factor=prefetch_factor,
                 persistent_workers=persistent_workers, pin_memory_device=pin_memory_device)
             self._set_options(dataset, transport, seed_per_batch, snapshot_every_n_steps,
-                              log_every, max_worker_restarts)
+                              log_every, max_worker_restarts, device)
 
     def _set_options(self, dataset, transport, seed_per_batch, snapshot_every_n_steps,
-                     log_every, max_worker_restarts) -> None:
+                     log_every, max_worker_restarts, device) -> None:
         validate_options(seed_per_batch=seed_per_batch,
                          snapshot_every_n_steps=snapshot_every_n_steps)
         self.transport = resolve_transport(transport)
@@ -115,6 +124,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         validate_max_worker_restarts(max_worker_restarts, dataset)
         self.max_worker_restarts = max_worker_restarts
         self.log_every = resolve_log_every(log_every)
+        validate_device(device)
+        self.device = device
 
     def __iter__(self):
         kept = self.__dict__.get("_iterator")

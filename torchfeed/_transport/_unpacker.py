@@ -11,6 +11,9 @@ follow suit.
 Ending: ``close()`` gives back the memory of every slot no batch in the user's
 hands still uses, closes the descriptors, and frees the remaining slots as
 their batches die.
+
+With ``pins`` set (``pin_memory=True`` on CUDA), each slot is page-locked when
+first mapped and its release waits for the copies from it (``_page_lock.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _layout, _slots
+from . import _layout, _page_lock, _slots
 from ._packer import Inline, Plain, ShmFallbackWarning
 
 if TYPE_CHECKING:
@@ -59,6 +62,7 @@ class Unpacker:
         self.idle = False
         self.unpacked = 0
         self.fallbacks = 0
+        self.pins: _page_lock.SlotPins | None = None  # page-locked slots: _page_lock.enable
 
     def _slot(self, w, idx, uid, off, cap):
         entry = self._cache[w].get(idx)
@@ -67,9 +71,12 @@ class Unpacker:
                 raise RuntimeError(f"torchfeed transport: a batch from worker {w}'s previous "
                                    "arena arrived after the arena was renewed (a bug; please "
                                    "report it)")
+            replaced = entry
             entry = _slots.MainSlot(self._fds[w], uid, off, cap,
                                     self._release_fn(w, self._ctrl[w].states, idx, cap))
             self._cache[w][idx] = entry
+            if self.pins is not None:
+                self.pins.adopt(entry, replaced, self._cache[w], self._ctrl[w].states)
         return entry
 
     def _release_fn(self, w, states, idx, cap):
@@ -201,15 +208,20 @@ class Unpacker:
                 _HELD_AFTER_CLOSE[key] = entry
                 entry.release = None
                 unpacker = weakref.ref(self) if counted else None
-                entry.ref = weakref.ref(owner, _punch_on_release(entry.map, key, unpacker,
-                                                                 entry.cap))
+                callback = _punch_on_release(entry.map, key, unpacker, entry.cap)
+                if self.pins is not None:
+                    callback = self.pins.let_go(entry, True, callback)
+                entry.ref = weakref.ref(owner, callback)
                 del owner
+            elif self.pins is not None and self.pins.let_go(entry, False, None):
+                keep.append((entry.off, entry.cap))  # the releaser gives it back
         _slots.punch(fd, keep)
 
 
 def _punch(entry, states, idx) -> bool:
     """Give a free slot's memory back and tell its worker; False if it could not."""
     try:
+        _page_lock.unregister(entry.map)
         entry.map.remove()
     except OSError:
         return False
@@ -225,6 +237,7 @@ def _punch_on_release(shared_map, key, unpacker=None, cap=0):
             self_.in_use -= 1
             self_.in_use_bytes -= cap
         try:
+            _page_lock.unregister(shared_map)
             shared_map.remove()
         except Exception:  # noqa: BLE001 - the pages go back with the process anyway
             pass

@@ -1,0 +1,86 @@
+"""``DataLoader(device=...)``, the device stage, as far as it runs without a GPU:
+the argument's checks, ``"cpu"`` (no stage: the batches of ``device=None``), and
+a CUDA device on a machine without CUDA (a clear error, nothing left running).
+The stage itself, page-locked slots and their release are tested on a GPU in
+``test_gpu_feed.py``."""
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+from sample_datasets import RangeDataset
+
+import torchfeed
+
+
+def _batches(loader):
+    return [(b[0].tolist(), b[1].tolist()) for b in loader]
+
+
+@pytest.mark.parametrize("bad", ["foo", 3.5, object()])
+def test_not_a_device_is_a_value_error_naming_it(bad):
+    with pytest.raises(ValueError, match=r"(?s)DataLoader\(device=.*not a device.*'cuda'"):
+        torchfeed.DataLoader(RangeDataset(4), device=bad)
+
+
+@pytest.mark.parametrize("device", ["mps", "meta", torch.device("xpu")])
+def test_other_accelerators_are_refused_at_construction(device):
+    with pytest.raises(ValueError, match="CUDA devices only"):
+        torchfeed.DataLoader(RangeDataset(4), device=device)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_cpu_device_changes_nothing(num_workers):
+    plain = torchfeed.DataLoader(RangeDataset(12), batch_size=5, num_workers=num_workers)
+    staged = torchfeed.DataLoader(RangeDataset(12), batch_size=5, num_workers=num_workers,
+                                  device="cpu")
+    assert staged.device == "cpu"
+    assert _batches(staged) == _batches(plain)
+    assert staged.stats()["batches_yielded"] == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", 0])
+def test_cuda_device_without_cuda_raises_at_iter_and_starts_nothing(num_workers, device):
+    loader = torchfeed.DataLoader(RangeDataset(8), batch_size=2, num_workers=num_workers,
+                                  device=device)  # constructing is fine: Lightning builds on CPU
+    before = set(multiprocessing.active_children())
+    with pytest.raises(RuntimeError, match=r"CUDA is not available.*device=None"):
+        iter(loader)
+    assert set(multiprocessing.active_children()) == before
+    loader.device = None  # the attribute is the option, as for torch's own
+    assert len(_batches(loader)) == 4
+
+
+@pytest.mark.timeout(30)
+def test_releaser_runs_every_deferred_release_once_and_its_thread_ends():
+    """The releaser of page-locked slots (``_transport/_page_lock.py``) as plumbing:
+    releases deferred from several threads each run once, ``drain`` waits for
+    them, and its thread ends once idle. Its fences need CUDA (test_gpu_feed.py)."""
+    import threading
+    import time
+
+    from torchfeed._transport._page_lock import LINGER, Releaser
+
+    releaser = Releaser()
+    ran = []
+
+    def producer(t):
+        for i in range(200):
+            releaser.defer(lambda i=i: ran.append((t, i)), addr=None)
+
+    threads = [threading.Thread(target=producer, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert releaser.drain(timeout=10)
+    assert sorted(ran) == [(t, i) for t in range(4) for i in range(200)]
+    deadline = time.monotonic() + LINGER + 5
+    while releaser._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert releaser._thread is None
