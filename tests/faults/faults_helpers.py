@@ -23,6 +23,16 @@ def shm_entries() -> set[str]:
         return set()
 
 
+# Names no loader of this suite's makes (see foreign_shm): multiprocessing's
+# named semaphores and Python's own SharedMemory segments.
+NEVER_OURS = ("sem.mp-", "psm_")
+
+
+def own_shm_entries() -> set[str]:
+    """The /dev/shm entries that a loader (torch's or torchfeed's) could have made."""
+    return {name for name in shm_entries() if not name.startswith(NEVER_OURS)}
+
+
 def foreign_shm(name: str, ours: set[int]) -> bool:
     """Whether a new entry belongs to another test run sharing the machine:
     it is named after, mapped or held open by a live process outside this
@@ -31,8 +41,12 @@ def foreign_shm(name: str, ours: set[int]) -> bool:
     Named semaphores (``sem.mp-*``) are never ours: this suite uses the fork
     start method, under which multiprocessing unlinks a semaphore's name as
     soon as it exists; other runs on the machine that use spawn keep theirs
-    named for a while."""
-    if name.startswith("sem.mp-"):
+    named for a while.  Nor are ``psm_*`` segments, Python's
+    ``SharedMemory`` default names: torchfeed's slots are memfds and torch's
+    segments are ``torch_*``, while SPDL (the bench's peer) leaves a ``psm_``
+    segment per loader until its process exits, which a test running beside
+    this one (pytest-xdist) may do."""
+    if name.startswith(NEVER_OURS):
         return True
     for pid in map(int, re.findall(r"(?<![0-9])(\d{2,9})(?![0-9])", name)):
         if pid not in ours and psutil.pid_exists(pid):

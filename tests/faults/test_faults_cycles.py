@@ -16,7 +16,7 @@ import warnings
 import psutil
 import pytest
 from faults_datasets import make_dataset
-from faults_helpers import ALL_CONFIGS, children_but_servers, shm_entries
+from faults_helpers import ALL_CONFIGS, children_but_servers, own_shm_entries
 
 from torchfeed import DataLoader
 
@@ -26,7 +26,7 @@ WARM_UP = 30
 def _counts():
     me = psutil.Process()
     return {"fds": me.num_fds(), "threads": threading.active_count(),
-            "children": len(children_but_servers(me)), "shm": len(shm_entries())}
+            "children": len(children_but_servers(me)), "shm": len(own_shm_entries())}
 
 
 @pytest.mark.timeout(170)

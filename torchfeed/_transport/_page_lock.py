@@ -155,6 +155,7 @@ class Releaser:
         self._thread: threading.Thread | None = None
         self._local = threading.local()
         self._streams: dict[int, list] = {}  # device index -> the streams torch hands out
+        self._quiescing = False  # end the thread as soon as nothing is queued
         self.rounds = 0
 
     # -- producers ------------------------------------------------------------
@@ -190,14 +191,32 @@ class Releaser:
         with self._cond:
             return self._cond.wait_for(lambda: self._pending == 0, timeout)
 
+    def quiesce(self, timeout: float = 30.0) -> None:
+        """Run what is queued and end the thread now, not ``LINGER`` later.
+
+        Called before workers are forked: torch's loader forks them with only
+        the main thread alive, and Python 3.12 warns at a fork from a process
+        with threads (a lock another thread holds is held for ever in the
+        child).  The wait is for copies already queued on the GPU, once per
+        ``iter()`` that starts workers, never per batch."""
+        with self._cond:
+            thread = self._thread
+            if thread is None:
+                return
+            self._quiescing = True
+            self._cond.notify_all()
+        thread.join(timeout)
+
     # -- the thread -------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cond:
                 if not self._jobs:
-                    self._cond.wait(LINGER)
+                    if not self._quiescing:
+                        self._cond.wait(LINGER)
                     if not self._jobs:
                         self._thread = None
+                        self._quiescing = False
                         return
                 jobs, self._jobs = self._jobs, []
             done = self._round(jobs)
