@@ -126,3 +126,20 @@ def test_the_graph_sees_relative_and_function_level_imports():
 
 def test_no_import_cycle_among_torchfeed_modules():
     assert cycles(import_graph()) == KNOWN_CYCLES
+
+
+def test_no_import_cycle_in_the_transport_counting_type_only_imports():
+    """The transport's modules name each other only downwards, even for mypy:
+    the channel (``_shm``) imports the packer and the unpacker, which name it
+    by the protocols they read (``PoolSettings``, ``Arenas``)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, (path, is_package) in modules.items():
+        if name.startswith("torchfeed._transport"):
+            tree = ast.parse(path.read_text(), str(path))
+            graph[name] = {t for node in ast.walk(tree)
+                           if isinstance(node, (ast.Import, ast.ImportFrom))
+                           for t in _targets(name, is_package, node, modules)
+                           if t.startswith("torchfeed._transport")}
+    assert "torchfeed._transport._packer" in graph["torchfeed._transport._shm"]
+    assert cycles(graph) == set()
