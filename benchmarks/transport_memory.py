@@ -25,9 +25,9 @@ rotating from run to run; the medians are reported.
     queues are shared-memory files that only a descriptor holds. The second
     memory figure adds those (``unmapped_shm``), sampled at the same moments.
 
-  A run moves ``--run-mib`` of batches (at least 6 batches, at most 200), so
-  the huge sizes get few batches per run; slot creation, paid in each run's
-  first batches, is counted in.
+  A timed run moves ``--run-mib`` of batches (at least 6 batches, at most
+  200; a memory run at most 40), so the huge sizes get few batches per run;
+  slot creation, paid in each run's first batches, is counted in.
 * ``idle`` row: persistent workers, an epoch of batches that swing between
   4 KiB and 64 MiB; then, with the loader idle, the PSS of the main process
   and its workers, and what torchfeed's slots still hold (the arenas'
@@ -58,6 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torchfeed  # noqa: E402
 
 MIB = 1 << 20
+SAMPLED_BATCHES = 40  # at most, in a memory run
 LOADERS = {"torch": tud.DataLoader, "torchfeed": torchfeed.DataLoader}
 
 
@@ -124,6 +125,8 @@ def batches_per_run(mib: int, run_mib: int) -> int:
 
 
 def one_run(cls, mib: int, workers: int, n: int, sample: bool):
+    if sample:  # reading PSS takes milliseconds; the peak comes within a few dozen batches
+        n = min(n, SAMPLED_BATCHES)
     """(batches/s, peak PSS, peak PSS + unmapped shared memory, torchfeed's
     slots at its PSS peak or None)."""
     loader = cls(Full(4 * n, mib * MIB // 4), batch_size=4, num_workers=workers)
@@ -210,7 +213,7 @@ def main(argv=None):
     ap.add_argument("--worker-rows-mib", type=int, default=256)
     ap.add_argument("--timed-runs", type=int, default=3)
     ap.add_argument("--memory-runs", type=int, default=5)
-    ap.add_argument("--run-mib", type=int, default=3072, help="MiB of batches per run")
+    ap.add_argument("--run-mib", type=int, default=1536, help="MiB of batches per run")
     ap.add_argument("--no-idle", action="store_true")
     ap.add_argument("--idle-batches", type=int, default=24)
     args = ap.parse_args(argv)

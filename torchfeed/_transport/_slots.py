@@ -15,8 +15,8 @@ Layout of an arena file::
     [65536, ...)       slot regions, each 64 KiB-aligned, allocated by the worker
 
 A slot is a region of the arena plus an index into the control block. Its
-state byte is ``FREE`` (the worker may write it) or ``IN_FLIGHT`` (a batch in
-it belongs to the main process). The worker flips FREE to IN_FLIGHT before it
+state byte is ``FREE`` or ``COLD`` (the worker may write it) or ``IN_FLIGHT``
+(a batch in it belongs to the main process). The worker flips FREE to IN_FLIGHT before it
 sends a batch; the main process flips it back when the last view of that batch
 dies. Ownership alternates, so one byte with no lock is enough. A slot the
 worker has taken for the batch it is building is ``FILLING``, and one it gave
@@ -25,7 +25,17 @@ epoch of a persistent loader, the main process gives the memory of every free
 slot but one small one per worker back to the system and marks those ``PUNCHED``
 (``Unpacker.trim``), and does the same for slots released while the loader is
 idle; the worker then forgets them. So an idle loader holds at most one slot
-of at most 1 MiB per worker (``_unpacker.IDLE_KEEP_BYTES``). While batches flow, slots are kept and reused.
+of at most 1 MiB per worker (``_unpacker.IDLE_KEEP_BYTES``).
+
+While batches flow, slots are kept and reused: writing into pages already
+there is several times faster than into fresh ones. The reuse rule
+(``warm_bytes``) bounds what that costs for huge batches: a free slot keeps at
+most ``WARM_BYTES`` (64 MiB) of its pages. When the batch of a bigger slot is
+released, the main process gives back the pages past that and marks the slot
+``COLD``; the worker gives it pages again (``refill``) when it next takes it.
+The slot keeps its index, region and mappings, so the number of slots stays
+what the batches alive at once need (``prefetch_factor + 1`` per worker
+when the consumer keeps nothing) and nothing is mapped anew per batch.
 
 Every region is allocated with ``posix_fallocate`` before it is mapped, so a
 shortage is an ``OSError`` (ENOSPC/ENOMEM), never a SIGBUS on first touch.

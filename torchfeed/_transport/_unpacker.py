@@ -3,10 +3,16 @@ as views of its slot, and handing the slot back.
 
 The unpacker gives each batch a fresh ``SlotOwner`` view of its slot as owner,
 and a weak reference to it; the callback, run when the last view of the batch
-dies (in whatever thread drops it), flips the slot's state byte back to FREE.
+dies (in whatever thread drops it), flips the slot's state byte back to FREE,
+or, for a slot bigger than ``_slots.WARM_BYTES``, gives back its pages past
+that and flips it to COLD (the reuse rule, see ``_slots.py``).
 Between epochs, ``trim()`` gives back the memory of every free slot but one small one
 per worker (``IDLE_KEEP_BYTES``), and slots released while the loader is idle
 follow suit.
+
+A slot is first mapped here in ``_map`` (once per slot), and its pages go,
+while the unpacker is open, only through ``_release_pages``; ``_let_go`` lets
+go of whole arenas at ``close`` and ``renew``.
 
 Ending: ``close()`` gives back the memory of every slot no batch in the user's
 hands still uses, closes the descriptors, and frees the remaining slots as
@@ -123,13 +129,13 @@ class Unpacker:
                 cache = self_._cache[w] if not self_.closed else {}
                 entry = cache.get(idx)
                 if self_.idle:
-                    # A snapshot: the pin thread may add a slot to the cache meanwhile.
-                    for j in tuple(cache):
-                        if j != idx and states[j] in (FREE, COLD):
-                            # Idle, and the worker has a free slot already.
-                            if entry is not None and _punch(self_, entry, states, idx):
-                                return
-                            break
+                    # As trim() would: a slot over IDLE_KEEP_BYTES goes, and so does
+                    # one whose worker has a free slot already. A snapshot: the pin
+                    # thread may add a slot to the cache meanwhile.
+                    if entry is not None and (cap > IDLE_KEEP_BYTES or any(
+                            j != idx and states[j] in (FREE, COLD) for j in tuple(cache))):
+                        if _punch(self_, entry, states, idx):
+                            return
                 elif warm < cap and entry is not None and self_._release_pages(entry, warm):
                     # The reuse rule: a huge slot keeps only its first ``warm`` bytes.
                     states[idx] = COLD
