@@ -53,7 +53,6 @@ import ctypes
 import errno
 import mmap
 import os
-import time
 import weakref
 from typing import NamedTuple
 
@@ -82,13 +81,6 @@ def warm_bytes(cap: int) -> int:
     segment for every batch. The slot itself, its index and its mappings stay."""
     return min(cap, WARM_BYTES)
 
-
-# How long a worker with a huge batch and no free slot waits for one of its
-# slots to be released before it makes another: about what making one costs
-# (fresh pages are written at ~1 GB/s), so a release that comes any sooner
-# is a gain, and a consumer that keeps its batches loses at most that, once
-# per slot the pool grows by.
-GROW_WAIT_PER_BYTE = 1e-9
 
 # A free slot at least this much and 4x bigger than the batches it now carries
 # is given back after SHRINK_AFTER such batches, and a right-sized one made.
@@ -311,10 +303,6 @@ class WorkerPool:
                 punched.append(s)
         for s in punched:
             self.retire(s)
-        if best is None and nbytes > WARM_BYTES:
-            best = self._wait_for_release(nbytes, exclude)
-            if best is not None:
-                free.append(best)
         self.tick += 1
         if nbytes != self.last_nbytes:
             self.sizes_vary = self.sizes_vary or self.last_nbytes >= 0  # for good, once seen
@@ -349,23 +337,6 @@ class WorkerPool:
         best.last_used = self.tick
         states[best.idx] = FILLING
         return best, None
-
-    def _wait_for_release(self, nbytes: int, exclude):
-        """A huge batch found no free slot: wait up to ``GROW_WAIT_PER_BYTE``
-        seconds a byte for the main process to release one of this worker's
-        slots big enough, rather than make another, which costs as much as writing the batch
-        into fresh pages and would stay for the rest of the epoch. None if
-        none came (the consumer keeps its batches: the pool grows)."""
-        states = self.states
-        waiting = [s for s in self.slots.values()
-                   if s is not exclude and s.cap >= nbytes and states[s.idx] == IN_FLIGHT]
-        deadline = time.monotonic() + nbytes * GROW_WAIT_PER_BYTE
-        while waiting and time.monotonic() < deadline:
-            time.sleep(0.001)
-            for s in waiting:
-                if states[s.idx] == FREE or states[s.idx] == COLD:
-                    return s
-        return None
 
     def _create(self, nbytes: int):
         headroom = nbytes // 16 if self.sizes_vary else 0
