@@ -20,11 +20,9 @@ PACKAGE = pathlib.Path(torchfeed.__file__).parent
 KNOWN_CYCLES: set = set()
 # Counting imports under ``if TYPE_CHECKING:`` too: a type-only cycle still says
 # two modules each need the other (issue 28 broke _receive <-> _restart's).
-KNOWN_TYPE_CYCLES: set = {
-    # ShmChannel / Packer / Unpacker / ShmFallbackWarning: issue 27 breaks it.
-    frozenset({"torchfeed._transport._shm", "torchfeed._transport._packer",
-               "torchfeed._transport._unpacker"}),
-}
+# None left: the transport's packer and unpacker name the channel by the
+# protocols they read (PoolSettings, Arenas), not by importing _shm.
+KNOWN_TYPE_CYCLES: set = set()
 
 
 def _modules() -> dict[str, tuple[pathlib.Path, bool]]:

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset, IterableDataset
 import torchfeed
 from torchfeed import _transport
 from torchfeed._torch_compat import accelerator_available
-from torchfeed._transport import _page_lock
+from torchfeed._transport import _page_lock, _slots
 
 Pair = collections.namedtuple("Pair", "image label")
 
@@ -490,3 +490,43 @@ def test_slots_alive_at_the_peak_are_what_prefetch_needs_and_no_bigger(batch_siz
         assert float(b.flatten()[-1]) == i * (batch_size or 1) + (batch_size or 1) - 1
         del b
     assert batch <= peak <= 2 * (2 + 1) * batch, peak
+
+
+@pytest.mark.timeout(90)
+def test_free_huge_slots_keep_only_the_reuse_rule_and_slots_stay_the_same(monkeypatch):
+    # The rule with a 1 MiB budget, so 4 MiB batches count as huge; the forked
+    # workers inherit the patched module.
+    warm = 1 << 20
+    monkeypatch.setattr(_slots, "WARM_BYTES", warm)
+    batch_bytes = 4 << 20
+    loader = torchfeed.DataLoader(Fixed(4 * 24, batch_bytes // 4), batch_size=4, num_workers=2,
+                                  multiprocessing_context="fork")
+    it = iter(loader)
+    fds = it._channel.fds
+    peak_reuse = cold_seen = 0
+    for k, batch in enumerate(it):
+        # A slot refilled after its pages went carries its batch whole.
+        assert torch.equal(batch[:, 0], torch.arange(4 * k, 4 * k + 4, dtype=torch.float32))
+        assert torch.equal(batch[:, -1], batch[:, 0]) and float(batch.sum()) == float(
+            batch[:, 0].sum()) * (batch_bytes // 16)
+        resident = sum(os.fstat(fd).st_blocks * 512 for fd in fds)  # before stats(): see below
+        shm = loader.stats()["shm"]
+        free = [row for row in shm["slot_table"] if row[3] in ("free", "cold")]
+        # Every free slot of a huge batch has given back all but its first `warm` bytes.
+        assert all(state == "cold" and kept == warm for _, _, cap, state, kept in free
+                   if cap > warm), shm["slot_table"]
+        assert shm["reuse_bytes"] == sum(kept for *_, kept in free) <= warm * len(free)
+        # And the arenas really hold no more: the workers' slots, less what the
+        # cold ones gave back (only this thread releases slots, and a slot the
+        # worker refills or makes after the fstat only adds to the right side).
+        gone = sum(cap - kept for _, _, cap, state, kept in free if state == "cold")
+        assert resident <= shm["bytes"] - gone + len(fds) * _slots.CTRL_BYTES, (resident, shm)
+        peak_reuse = max(peak_reuse, shm["reuse_bytes"])
+        cold_seen += len(free)
+        raw = it._unpacker.stats()  # the last before the iterator closes the transport
+        del batch
+    assert cold_seen and raw["released_bytes"] > 0, raw
+    # Slots keep their identity: no more were ever made than a worker has
+    # batches alive at once (prefetch_factor + 1), however often they went cold.
+    assert raw["allocations"] <= 2 * (loader.prefetch_factor + 1), raw
+    assert peak_reuse <= warm * 2 * (loader.prefetch_factor + 1)

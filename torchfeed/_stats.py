@@ -45,7 +45,7 @@ import logging
 import os
 import weakref
 from time import monotonic, perf_counter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from . import _worker_costs
 from ._stats_report import LoaderStats, log_line, make_visible
@@ -229,7 +229,12 @@ class IteratorStats:
         try:
             self._read_live()
             uss = self._read_memory()
-            _worker_costs.check_growth([self._growth(i, u) for i, u in enumerate(uss)], uss)
+            # Slot pages that only the worker maps count in its USS: they are
+            # batches in shared memory (a huge slot's), not copy-on-read.
+            held = self._live["shm"].get("worker_bytes") or []
+            growth = [self._growth(i, u) for i, u in enumerate(uss)]
+            _worker_costs.check_growth([g if g is None or i >= len(held) else g - held[i]
+                                        for i, g in enumerate(growth)], uss)
         except Exception:  # statistics must never break the training loop
             logger.debug("torchfeed: could not read workers' memory", exc_info=True)
 
@@ -317,7 +322,8 @@ def empty_stats(loader) -> LoaderStats:
         worker_start_fraction=None)
 
 
-_NO_SHM = {"slots": 0, "in_use": 0, "bytes": 0, "in_use_bytes": None}
+_NO_SHM: dict[str, Any] = {"slots": 0, "in_use": 0, "bytes": 0, "in_use_bytes": None, "reuse_bytes": 0,
+                           "worker_bytes": [], "slot_table": []}
 
 
 def _idle_live(num_workers: int) -> dict:
@@ -334,4 +340,7 @@ def _shm_stats(raw: dict | None, last: dict) -> dict:
     if raw.get("closed"):
         return {**_NO_SHM, "slots": last["slots"], "bytes": last["bytes"]}
     return {"slots": int(raw.get("slots", 0)), "in_use": int(raw.get("in_use", 0)),
-            "bytes": int(raw.get("bytes", 0)), "in_use_bytes": raw.get("in_use_bytes")}
+            "bytes": int(raw.get("bytes", 0)), "in_use_bytes": raw.get("in_use_bytes"),
+            "reuse_bytes": int(raw.get("reuse_bytes", 0)),
+            "worker_bytes": list(raw.get("worker_bytes", ())),
+            "slot_table": list(raw.get("slot_table", ()))}

@@ -51,8 +51,10 @@ class LoaderStats(dict):
             if m["slots"]:
                 in_use_bytes = ("" if m["in_use_bytes"] is None
                                 else f", {human(m['in_use_bytes'])} in use")
+                reuse = (f", {human(m['reuse_bytes'])} kept for reuse"
+                         if m.get("reuse_bytes") else "")
                 lines.append(f"  shared memory       {m['in_use']} of {m['slots']} slots in use, "
-                             f"{human(m['bytes'])} allocated{in_use_bytes}")
+                             f"{human(m['bytes'])} allocated{in_use_bytes}{reuse}")
             else:
                 lines.append("  shared memory       no slots")
             if s["pin_thread_busy_seconds"] is not None:

@@ -11,7 +11,9 @@ does), and the packer then sends those tensors without copying them again.
 
 When there is no slot to stack into (first batch of a worker, or a batch
 bigger than the last one), the tensor is stacked into ordinary memory and the
-packer copies it: still never a fresh shared-memory segment.
+packer copies it: still never a fresh shared-memory segment. A worker's first
+batch that streams more than ``_slots.WARM_BYTES`` gets a slot sized from its
+first sample instead (``DirectCollate._size_first_batch``).
 
 A user who extends ``default_collate`` the way torch documents, by replacing
 the ``torch.Tensor`` entry of ``default_collate_fn_map`` (to pad
@@ -27,13 +29,16 @@ itself, one by one, and copies their big arrays into the slot as they arrive
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 from torch.utils.data._utils import collate as _torch_collate
 
-from . import _layout
-from ._stream import SampleStream, stream_samples
+from . import _layout, _slots
+from ._stream import SampleStream, stream_samples, streamable_bytes
+
+_END = object()
 
 # Smaller batches are stacked into ordinary memory and copied: for them the
 # copy costs less than stacking into views does.
@@ -75,6 +80,22 @@ class DirectCollate:
         self.direct[id(out)] = (out, off)
         return out
 
+    def _size_first_batch(self, samples: SampleStream) -> SampleStream:
+        """The worker's first batch, whose size no batch has told yet. A huge
+        one (its big arrays over ``_slots.WARM_BYTES``) gets a slot sized
+        from its first sample, 1/16 over for what is not streamed, and
+        streams into it; else it would be stacked in private memory and
+        copied into a new slot, writing fresh pages twice."""
+        it = iter(samples)
+        first = next(it, _END)
+        if first is _END:
+            return SampleStream(iter(()), len(samples))
+        nbytes = streamable_bytes(first, len(samples))
+        if nbytes > _slots.WARM_BYTES:
+            self.reset(self.pool.acquire(nbytes + nbytes // 16)[0])
+            self.pool.last_nbytes = -1  # a guess, not a batch's size: sizes do not vary yet
+        return SampleStream(itertools.chain([first], it), len(samples))
+
     def collate_tensor(self, batch, *, collate_fn_map=None):
         elem = batch[0]
         leaf = self.streamed.get(id(elem))
@@ -101,6 +122,8 @@ class DirectCollate:
             return _torch_collate.collate(list(samples), collate_fn_map=torch_map)
         if self.pool is not None and self.expected_nbytes >= DIRECT_MIN_BYTES:
             self.reset(self.pool.acquire(self.expected_nbytes)[0])
+        elif self.pool is not None and not self.expected_nbytes and type(samples) is SampleStream:
+            samples = self._size_first_batch(samples)
         if type(samples) is SampleStream:
             if self.slot is not None:
                 samples, self.streamed = stream_samples(samples, self._view)

@@ -15,7 +15,7 @@ through torch's own reductions instead, with the one warning that says why.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,8 +23,18 @@ import torch
 from . import _layout, _slots, _space
 from ._collate import DirectCollate, is_default_collate
 
-if TYPE_CHECKING:
-    from ._shm import ShmChannel
+
+class PoolSettings(Protocol):
+    """What a packer reads from its channel (``_shm.ShmChannel``, which
+    imports this module: the channel is named by what it provides)."""
+
+    num_workers: int
+    budget: int
+    budget_source: str
+    max_slots: int
+    idle_batches: int
+
+    def generation(self, worker_id: int) -> int: ...
 
 
 class ShmFallbackWarning(UserWarning):
@@ -76,7 +86,7 @@ class Packer:
     # never the user's batch: the worker may pickle it with pickle's C pickler.
     plain_tuples = True
 
-    def __init__(self, worker_id: int, fd, channel: ShmChannel, owns_fd: bool):
+    def __init__(self, worker_id: int, fd, channel: PoolSettings, owns_fd: bool):
         self.worker_id = worker_id
         self._fd = fd if owns_fd else None
         self._num_workers = channel.num_workers

@@ -137,6 +137,16 @@ def _output_dtype(x, n: int):
     return None if _negative_strides(x) else _TORCH_OF_NUMPY.get(x.dtype)
 
 
+def streamable_bytes(x, n: int) -> int:
+    """The bytes that ``plan`` would reserve for the outputs of ``x``, the
+    first of ``n`` samples (before alignment)."""
+    tp = type(x)
+    if tp is torch.Tensor or tp is np.ndarray:
+        return x.nbytes * n if _output_dtype(x, n) is not None else 0
+    items = _children(x)
+    return 0 if items is None else sum(streamable_bytes(v, n) for _, v in items)
+
+
 def plan(x, n: int, reserve):
     """The layout of ``x``, the first of ``n`` samples: a ``_Leaf``, or
     ``(type, [(key, node), ...])``, or None when nothing in ``x`` is worth

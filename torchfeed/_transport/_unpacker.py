@@ -3,10 +3,16 @@ as views of its slot, and handing the slot back.
 
 The unpacker gives each batch a fresh ``SlotOwner`` view of its slot as owner,
 and a weak reference to it; the callback, run when the last view of the batch
-dies (in whatever thread drops it), flips the slot's state byte back to FREE.
+dies (in whatever thread drops it), flips the slot's state byte back to FREE,
+or, for a slot bigger than ``_slots.WARM_BYTES``, gives back its pages past
+that and flips it to COLD (the reuse rule, see ``_slots.py``).
 Between epochs, ``trim()`` gives back the memory of every free slot but one small one
 per worker (``IDLE_KEEP_BYTES``), and slots released while the loader is idle
 follow suit.
+
+A slot is first mapped here in ``_map`` (once per slot), and its pages go,
+while the unpacker is open, only through ``_release_pages``; ``_let_go`` lets
+go of whole arenas at ``close`` and ``renew``.
 
 Ending: ``close()`` gives back the memory of every slot no batch in the user's
 hands still uses, closes the descriptors, and frees the remaining slots as
@@ -22,15 +28,26 @@ import os
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from . import _layout, _page_lock, _slots
 from ._packer import Inline, Plain, ShmFallbackWarning
 
-if TYPE_CHECKING:
-    from ._shm import ShmChannel
+
+class Arenas(Protocol):
+    """What the unpacker reads from its channel (``_shm.ShmChannel``, which
+    imports this module: the channel is named by what it provides)."""
+
+    disabled_warning: str | None
+
+    @property
+    def fds(self) -> list[int]: ...
+
+    def generation(self, worker_id: int) -> int: ...
+
+    def close_descriptors(self) -> None: ...
 
 # Slots still held by the user when their unpacker closed, until they die.
 # Module-level so that the weak references that watch them stay reachable.
@@ -42,11 +59,16 @@ _HELD_AFTER_CLOSE: dict = {}
 # worker then fills a fresh slot, once.
 IDLE_KEEP_BYTES = 1 << 20
 
+# ``stats()["slot_table"]``'s names for a slot's state byte. A slot the worker
+# gave back (PUNCHED, RETIRED) is not listed.
+SLOT_STATES = {_slots.FREE: "free", _slots.COLD: "cold", _slots.IN_FLIGHT: "in use",
+               _slots.FILLING: "filling"}
+
 
 class Unpacker:
     """Main side: rebuilds batches as views of the slots and recycles the slots."""
 
-    def __init__(self, channel: ShmChannel):
+    def __init__(self, channel: Arenas):
         self._channel = channel
         self._fds = channel.fds
         self._ctrl = [_slots.ControlBlock(fd) for fd in self._fds]
@@ -62,6 +84,7 @@ class Unpacker:
         self.idle = False
         self.unpacked = 0
         self.fallbacks = 0
+        self.released_bytes = 0  # pages given back from free slots (reuse rule, trim)
         self.pins: _page_lock.SlotPins | None = None  # page-locked slots: _page_lock.enable
 
     def _slot(self, w, idx, uid, off, cap):
@@ -72,31 +95,68 @@ class Unpacker:
                                    "arena arrived after the arena was renewed (a bug; please "
                                    "report it)")
             replaced = entry
-            entry = _slots.MainSlot(self._fds[w], uid, off, cap,
-                                    self._release_fn(w, self._ctrl[w].states, idx, cap))
-            self._cache[w][idx] = entry
+            entry = self._cache[w][idx] = self._map(w, idx, uid, off, cap)
             if self.pins is not None:
                 self.pins.adopt(entry, replaced, self._cache[w], self._ctrl[w].states)
         return entry
 
+    # -- where a slot is first mapped here, and where its pages go -------------
+    def _map(self, w, idx, uid, off, cap) -> _slots.MainSlot:
+        """Map slot ``idx`` of worker ``w`` (``cap`` bytes at ``off`` of its
+        arena) in this process: the one place a slot is first mapped, once per
+        slot (``uid``). A slot the worker gave back and made anew at the same
+        index comes here again with a new uid; the old mapping goes when the
+        last view of its last batch dies."""
+        return _slots.MainSlot(self._fds[w], uid, off, cap,
+                               self._release_fn(w, self._ctrl[w].states, idx, cap))
+
+    def _release_pages(self, entry: _slots.MainSlot, start: int = 0) -> bool:
+        """Give back the pages of a free slot from byte ``start`` to its end,
+        keeping the slot and its mapping: the one place pages of a slot go
+        while the unpacker is open (the reuse rule, and ``trim``). False if
+        they could not be. ``close`` and ``renew`` let go of whole arenas
+        (``_let_go``).
+
+        A page-locked slot (``_page_lock.py``) keeps all its pages while it is
+        a slot: CUDA holds them locked, so a page given back would leave the
+        GPU reading the old page while the worker writes a new one, and
+        unlocking and locking the slot again costs milliseconds each batch.
+        Its pages go only with the whole slot, once it is unregistered."""
+        if start and _page_lock.is_registered(entry.map):
+            return False
+        try:
+            if not start:
+                _page_lock.unregister(entry.map)  # free: the releaser's fence has passed
+            entry.map.remove(start)
+        except OSError:
+            return False
+        self.released_bytes += entry.cap - start
+        return True
+
     def _release_fn(self, w, states, idx, cap):
         me = weakref.ref(self)
-        FREE = _slots.FREE
+        FREE, COLD = _slots.FREE, _slots.COLD
+        warm = _slots.warm_bytes(cap)
 
         def release(_ref):
             self_ = me()
             if self_ is not None:
                 self_.in_use -= 1
                 self_.in_use_bytes -= cap
-                cache = self_._cache[w] if self_.idle and not self_.closed else {}
-                # A snapshot: the pin thread may add a slot to the cache meanwhile.
-                for j in tuple(cache):
-                    if j != idx and states[j] == FREE:
-                        # Idle, and the worker has a free slot already.
-                        entry = cache.get(idx)
-                        if entry is not None and _punch(entry, states, idx):
+                cache = self_._cache[w] if not self_.closed else {}
+                entry = cache.get(idx)
+                if self_.idle:
+                    # As trim() would: a slot over IDLE_KEEP_BYTES goes, and so does
+                    # one whose worker has a free slot already. A snapshot: the pin
+                    # thread may add a slot to the cache meanwhile.
+                    if entry is not None and (cap > IDLE_KEEP_BYTES or any(
+                            j != idx and states[j] in (FREE, COLD) for j in tuple(cache))):
+                        if _punch(self_, entry, states, idx):
                             return
-                        break
+                elif warm < cap and entry is not None and self_._release_pages(entry, warm):
+                    # The reuse rule: a huge slot keeps only its first ``warm`` bytes.
+                    states[idx] = COLD
+                    return
             states[idx] = FREE
         return release
 
@@ -112,10 +172,11 @@ class Unpacker:
         self.idle = True  # and batches released while idle follow suit
         for w, cache in enumerate(self._cache):
             states = self._ctrl[w].states
-            free = sorted((e.cap, idx) for idx, e in cache.items() if states[idx] == _slots.FREE)
+            free = sorted((e.cap, idx) for idx, e in cache.items()
+                          if states[idx] in (_slots.FREE, _slots.COLD))
             keep = 1 if free and free[0][0] <= IDLE_KEEP_BYTES else 0
             for _, idx in free[keep:]:
-                _punch(cache[idx], states, idx)
+                _punch(self, cache[idx], states, idx)
 
     def unpack(self, payload):
         """The batch carried by ``payload``: zero-copy views of its slot."""
@@ -152,25 +213,43 @@ class Unpacker:
     def stats(self) -> dict:
         """Slot counters summed over the workers, plus this process's view.
 
-        ``slots``/``bytes``: slots the workers hold now and their capacity;
-        ``allocations``/``retired``: slots created/given back so far;
-        ``in_use``/``in_use_bytes``: batches rebuilt here and still referenced;
-        ``fallbacks``: batches that had no slot (inline, or torch's way);
-        ``direct_bytes``: bytes stacked straight into slots by the direct collate."""
+        ``slots``/``bytes``: slots the workers hold now and their capacity
+        (``worker_bytes``: the same, by worker); ``allocations``/``retired``:
+        slots created/given back so far; ``in_use``/``in_use_bytes``: batches
+        rebuilt here and still referenced; ``fallbacks``: batches that had no
+        slot (inline, or torch's way); ``direct_bytes``: bytes stacked straight
+        into slots by the direct collate.
+
+        The slot accounting: ``slot_table`` lists every slot this process has
+        mapped, as ``(worker, index, bytes, state, warm bytes)``, state one of
+        ``SLOT_STATES``; ``reuse_bytes`` is what the free ones keep for their
+        workers' next batches (``_slots.warm_bytes``), ``released_bytes`` the
+        pages given back from free slots so far."""
         tot: dict[str, Any] = {"slots": 0, "bytes": 0, "allocations": 0, "retired": 0, "packed": 0,
-               "worker_fallbacks": 0, "direct_bytes": 0}
+               "worker_fallbacks": 0, "direct_bytes": 0, "worker_bytes": [], "slot_table": [],
+               "reuse_bytes": 0}
         if not self.closed:
-            for ctrl in self._ctrl:
+            for w, ctrl in enumerate(self._ctrl):
                 c = ctrl.counters
                 tot["slots"] += int(c[_slots.C_SLOTS])
                 tot["bytes"] += int(c[_slots.C_BYTES])
+                tot["worker_bytes"].append(int(c[_slots.C_BYTES]))
                 tot["allocations"] += int(c[_slots.C_ALLOCATIONS])
                 tot["retired"] += int(c[_slots.C_RETIRED])
                 tot["packed"] += int(c[_slots.C_PACKED])
                 tot["worker_fallbacks"] += int(c[_slots.C_FALLBACKS])
                 tot["direct_bytes"] += int(c[_slots.C_DIRECT])
+                for idx, entry in sorted(tuple(self._cache[w].items())):
+                    state = SLOT_STATES.get(int(ctrl.states[idx]))
+                    if state is None:
+                        continue  # given back
+                    warm = (entry.cap if state != "cold" else _slots.warm_bytes(entry.cap))
+                    if state in ("free", "cold"):
+                        tot["reuse_bytes"] += warm
+                    tot["slot_table"].append((w, idx, entry.cap, state, warm))
         tot.update(transport="shm", in_use=self.in_use, in_use_bytes=self.in_use_bytes,
-                   unpacked=self.unpacked, fallbacks=self.fallbacks, closed=self.closed)
+                   unpacked=self.unpacked, fallbacks=self.fallbacks, closed=self.closed,
+                   released_bytes=self.released_bytes)
         return tot
 
     def close(self) -> None:
@@ -218,12 +297,10 @@ class Unpacker:
         _slots.punch(fd, keep)
 
 
-def _punch(entry, states, idx) -> bool:
-    """Give a free slot's memory back and tell its worker; False if it could not."""
-    try:
-        _page_lock.unregister(entry.map)
-        entry.map.remove()
-    except OSError:
+def _punch(unpacker: Unpacker, entry, states, idx) -> bool:
+    """Give all of a free slot's memory back and tell its worker to forget the
+    slot; False if it could not."""
+    if not unpacker._release_pages(entry):
         return False
     states[idx] = _slots.PUNCHED
     return True
