@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.utils.data
+from loader_helpers import rerun_without_accelerator
 from sample_datasets import PinnableBatch, Point, RangeDataset
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
@@ -31,10 +32,6 @@ from torchfeed._torch_compat import (
 )
 
 TorchLoader = torch.utils.data.DataLoader
-NO_ACCELERATOR_ONLY = pytest.mark.skipif(
-    accelerator_available(), reason="what torch does when no accelerator is found")
-
-
 def test_the_release_read_is_the_one_installed():
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     assert TORCH_RELEASE == (major, minor)
@@ -86,13 +83,15 @@ def _outcome(cls, **kwargs):
     return said, None, batches[0][0].is_pinned()
 
 
-@NO_ACCELERATOR_ONLY
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # torch's __del__
 @pytest.mark.parametrize("num_workers", [0, 1])
 @pytest.mark.parametrize("device", ["", "cuda", "no_such_device"])
 @pytest.mark.parametrize("pin", [True, False])
-def test_pin_memory_device_like_torchs_loader(pin, device, num_workers):
+def test_pin_memory_device_like_torchs_loader(pin, device, num_workers, request):
+    if accelerator_available():  # what torch does when no accelerator is found
+        rerun_without_accelerator(request)
+        return
     kwargs = dict(pin_memory=pin, pin_memory_device=device, num_workers=num_workers)
     theirs = _outcome(TorchLoader, **kwargs)
     ours = _outcome(torchfeed.DataLoader, **kwargs)
@@ -112,14 +111,16 @@ def test_pin_memory_device_like_torchs_loader(pin, device, num_workers):
         assert said == []
 
 
-@NO_ACCELERATOR_ONLY
 @pytest.mark.skipif(not HONOURS_PIN_MEMORY_DEVICE,
                     reason="from torch 2.9 nothing is pinned without an accelerator; "
                            "test_pin_memory_rules_like_torchs_function covers the rules")
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # torch's __del__
 @pytest.mark.parametrize("num_workers", [0, 1])
-def test_custom_batches_pinned_for_a_named_device_like_torchs_loader(num_workers):
+def test_custom_batches_pinned_for_a_named_device_like_torchs_loader(num_workers, request):
+    if accelerator_available():  # what torch does when no accelerator is found
+        rerun_without_accelerator(request)
+        return
     """Before torch 2.9 a named ``pin_memory_device`` is pinned for even with
     no accelerator, so a batch of objects with their own ``pin_memory()`` goes
     through torch's pinning rules here.  With workers torch reads the device's
