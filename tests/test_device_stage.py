@@ -5,6 +5,7 @@ The stage itself, page-locked slots and their release are tested on a GPU in
 ``test_gpu_feed.py``."""
 from __future__ import annotations
 
+import collections
 import multiprocessing
 
 import pytest
@@ -87,3 +88,27 @@ def test_releaser_runs_every_deferred_release_once_and_its_thread_ends():
     while releaser._thread is not None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert releaser._thread is None
+
+
+class _Tagged(list):
+    """A list subclass with an attribute of its own, which a copy keeps."""
+
+    def __init__(self, items=(), tag=None):
+        super().__init__(items)
+        self.tag = tag
+
+
+def test_device_stage_rebuilds_containers_as_the_pin_step_does():
+    # On the CPU the copy is the identity, so the containers alone are compared.
+    from torchfeed._device import move
+    from torchfeed._pin_memory import rebuild_mapping, rebuild_sequence
+
+    counts = collections.defaultdict(list, {"x": torch.ones(2)})
+    tagged = _Tagged([torch.zeros(1)], tag="kept")
+    moved = move({"counts": counts, "tagged": tagged}, torch.device("cpu"), [], [])
+    assert type(moved["counts"]) is collections.defaultdict
+    assert moved["counts"].default_factory is list
+    assert type(moved["tagged"]) is _Tagged and moved["tagged"].tag == "kept"
+    assert moved["counts"] is not counts and moved["tagged"] is not tagged  # rebuilt, not shared
+    assert rebuild_mapping(counts, {"x": 1}).default_factory is list
+    assert rebuild_sequence(tagged, [1]).tag == "kept"

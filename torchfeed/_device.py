@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ._pin_memory import PinMemoryThread, pin_memory
+from ._pin_memory import PinMemoryThread, pin_memory, rebuild_mapping, rebuild_sequence
 from ._protocol import StatefulResult
 from ._transport import _page_lock
 
@@ -88,20 +88,12 @@ def move(data, device, tensors: list, sources: list):
     if isinstance(data, (str, bytes)):
         return data
     if isinstance(data, Mapping):
-        items = {k: move(v, device, tensors, sources) for k, v in data.items()}
-        try:
-            return type(data)(items)  # type: ignore[call-arg]  # the user's class, as the pin step builds it
-        except TypeError:
-            return items
+        return rebuild_mapping(data, {k: move(v, device, tensors, sources) for k, v in data.items()})
     if isinstance(data, tuple):
         moved = [move(v, device, tensors, sources) for v in data]
         return type(data)(*moved) if hasattr(data, "_fields") else type(data)(moved)
     if isinstance(data, Sequence):
-        moved = [move(v, device, tensors, sources) for v in data]
-        try:
-            return type(data)(moved)  # type: ignore[call-arg]
-        except TypeError:
-            return moved
+        return rebuild_sequence(data, [move(v, device, tensors, sources) for v in data])
     to = getattr(data, "to", None)
     if callable(to) and not isinstance(data, type):
         return to(device, non_blocking=True)

@@ -40,34 +40,46 @@ def pin_memory(data, device=None):
     if isinstance(data, (str, bytes)):
         return data
     if isinstance(data, Mapping):
-        pinned = {k: pin_memory(v, device) for k, v in data.items()}
-        try:
-            if isinstance(data, MutableMapping):
-                clone = copy.copy(data)
-                clone.update(pinned)
-                return clone
-            return type(data)(pinned)  # type: ignore[call-arg]  # the user's class, as torch builds it
-        except TypeError:
-            return pinned
+        return rebuild_mapping(data, {k: pin_memory(v, device) for k, v in data.items()})
     if isinstance(data, tuple):
         items = (pin_memory(v, device) for v in data)
         if hasattr(data, "_fields"):
             return type(data)(*items)
         return list(items) if PIN_TUPLE_AS_LIST else type(data)(items)
     if isinstance(data, Sequence):
-        pinned_items = [pin_memory(v, device) for v in data]
-        try:
-            if isinstance(data, MutableSequence):
-                seq_clone = copy.copy(data)
-                for i, item in enumerate(pinned_items):
-                    seq_clone[i] = item
-                return seq_clone
-            return type(data)(pinned_items)  # type: ignore[call-arg]  # the user's class, as torch builds it
-        except TypeError:
-            return pinned_items
+        return rebuild_sequence(data, [pin_memory(v, device) for v in data])
     if hasattr(data, "pin_memory"):  # before torch 2.11: asked after the containers
         return data.pin_memory()
     return data
+
+
+def rebuild_mapping(data, items: dict):
+    """``data`` holding ``items`` instead of its values, as torch rebuilds a
+    mapping it pins: a copy of a mutable one (so a ``defaultdict``'s factory or
+    a subclass's attributes stay), the user's class built from ``items`` for
+    any other, and a plain dict where that class cannot be built so."""
+    try:
+        if isinstance(data, MutableMapping):
+            clone = copy.copy(data)
+            clone.update(items)
+            return clone
+        return type(data)(items)  # the user's class, as torch builds it
+    except TypeError:
+        return items
+
+
+def rebuild_sequence(data, items: list):
+    """``data`` holding ``items`` instead of its elements, by the same rules
+    as ``rebuild_mapping``; a plain list where the class cannot be built so."""
+    try:
+        if isinstance(data, MutableSequence):
+            clone = copy.copy(data)
+            for i, item in enumerate(items):
+                clone[i] = item
+            return clone
+        return type(data)(items)  # the user's class, as torch builds it
+    except TypeError:
+        return items
 
 
 def pass_through_requested() -> bool:
