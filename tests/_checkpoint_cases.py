@@ -29,7 +29,7 @@ from torch.utils.data import DistributedSampler as TorchDistributedSampler
 from torchfeed import DataLoader, DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _resume_helpers import Ids, StatefulStream, close, ids  # noqa: E402
+from _resume_helpers import Ids, StatefulStream, close, run_epochs  # noqa: E402
 from stateful_datasets import Counting  # noqa: E402
 
 SEED = 2024
@@ -75,21 +75,12 @@ CASES = {
 }
 
 
-def _epochs(loader, epochs: int, before_epoch, start: int = 0) -> list:
-    out = []
-    for epoch in range(start, start + epochs):
-        if before_epoch is not None:
-            before_epoch(loader, epoch)
-        out.append([ids(b) for b in loader])
-    return out
-
-
 def write(name: str) -> dict:
     """Run case ``name`` and return what its fixture holds."""
     make, k, finished, epochs, before_epoch = CASES[name]
     torch.manual_seed(SEED)
     reference = make()
-    full = _epochs(reference, epochs, before_epoch)
+    full = run_epochs(reference, epochs, before_epoch)
     close(reference)
 
     torch.manual_seed(SEED)

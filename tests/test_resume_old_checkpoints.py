@@ -15,8 +15,8 @@ import pathlib
 
 import pytest
 import torch
-from _checkpoint_cases import CASES, _epochs, write
-from _resume_helpers import close
+from _checkpoint_cases import CASES, write
+from _resume_helpers import close, run_epochs
 
 from torchfeed._checkpoint import FIELDS, Checkpoint
 
@@ -42,7 +42,7 @@ def test_an_old_checkpoint_resumes_exactly(name):
     # the training loop's checkpoint puts the global RNG back, as Lightning does
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(saved["global_rng"])),
                                          dtype=torch.uint8))
-    got = _epochs(loader, len(saved["rest"]), before_epoch, start=saved["epoch"])
+    got = run_epochs(loader, len(saved["rest"]), before_epoch, start=saved["epoch"])
     close(loader)
     assert got == saved["rest"]
 
