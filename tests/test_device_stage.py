@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import multiprocessing
+import os
 
 import pytest
 import torch
@@ -112,3 +113,43 @@ def test_device_stage_rebuilds_containers_as_the_pin_step_does():
     assert moved["counts"] is not counts and moved["tagged"] is not tagged  # rebuilt, not shared
     assert rebuild_mapping(counts, {"x": 1}).default_factory is list
     assert rebuild_sequence(tagged, [1]).tag == "kept"
+
+
+_THREADS_AT_FORK: list | None = None  # set by the test below while it records
+
+
+def _record_threads_at_fork() -> None:
+    if _THREADS_AT_FORK is not None:
+        import threading
+        _THREADS_AT_FORK.append(sorted(t.name for t in threading.enumerate()))
+
+
+os.register_at_fork(before=_record_threads_at_fork)
+
+
+@pytest.mark.timeout(60)
+def test_the_releaser_thread_ends_before_fresh_workers_are_forked():
+    """A fresh epoch's workers are forked with no releaser thread alive (torch
+    forks with the main thread alone; Python 3.12 warns otherwise): ``iter()``
+    runs the queued releases and ends the thread first (``Releaser.quiesce``),
+    without waiting out its ``LINGER``. The releases here need no CUDA fence."""
+    global _THREADS_AT_FORK
+    import threading
+    import time
+
+    from torchfeed._transport import _page_lock
+
+    ran = threading.Event()
+    _page_lock.releaser.defer(lambda: (time.sleep(0.2), ran.set()), addr=None)
+    assert _page_lock.releaser._thread is not None  # alive, with a release in hand
+    _THREADS_AT_FORK = []
+    try:
+        loader = torchfeed.DataLoader(RangeDataset(4), batch_size=2, num_workers=2,
+                                      multiprocessing_context="fork")
+        assert len(_batches(loader)) == 2
+        forks = list(_THREADS_AT_FORK)
+    finally:
+        _THREADS_AT_FORK = None
+    assert ran.is_set(), "the queued release ran before the fork"
+    assert len(forks) >= 2
+    assert all("torchfeed-slot-releaser" not in names for names in forks), forks
