@@ -14,20 +14,33 @@ rotating from run to run; the medians are reported.
 
   - speed: batches/s from ``iter()`` to the last batch, in runs that sample
     nothing (``--timed-runs``, default 3);
-  - memory: the peak, over the run, of the PSS of the main process plus its
-    workers (``psutil``'s ``memory_full_info().pss``), sampled after every
-    batch while the consumer holds it (``--memory-runs``, default 5). PSS
-    splits a page mapped by several processes between them, so a slot mapped
-    by a worker and by the main process counts once. For torchfeed, the
-    slots at its peak are printed too (``stats()["shm"]``): how many, and
-    how many bytes the free ones kept for reuse (``reuse_bytes``).
-    PSS only sees pages some process maps; torch's batches waiting in its
-    queues are shared-memory files that only a descriptor holds. The second
-    memory figure adds those (``unmapped_shm``), sampled at the same moments.
+  - memory: the peak, over the run, of two figures for the main process
+    plus its workers, both sampled after every batch while the consumer
+    holds it (``--memory-runs``, default 5):
 
-  A timed run moves ``--run-mib`` of batches (at least 6 batches, at most
-  200; a memory run at most 40), so the huge sizes get few batches per run;
-  slot creation, paid in each run's first batches, is counted in.
+    * PSS (``/proc/<pid>/smaps``): a page mapped by several processes is
+      split between them, so a slot mapped by a worker and by the main
+      process counts once. But PSS counts only pages some process has in
+      its page tables. It misses a batch torch's worker has sent and
+      unmapped (only a descriptor holds it until the main process asks
+      for it), a batch the main process has mapped but not read, and
+      shared memory allocated but not yet written (``posix_fallocate``).
+    * held: what the loader holds in memory, each thing once. The PSS of
+      every mapping that is not shared memory, plus the allocated bytes
+      (``st_blocks``) of every shared-memory object (``/dev/shm`` file,
+      memfd) a process of the tree holds by descriptor or by mapping,
+      whether any page of it is mapped or not. This is the figure that
+      compares the two loaders like for like.
+
+    For torchfeed, the slots at its PSS peak are printed too
+    (``stats()["shm"]``): how many, how many bytes, and how many of them
+    the free ones kept for reuse (``reuse_bytes``).
+
+  A timed run moves ``--run-mib`` of batches (at least ``--min-batches``,
+  default 6, at most 200; a memory run at most 40), so the huge sizes get
+  few batches per run and each worker's first batches, which make its
+  slots, weigh in the rate as they do in a short epoch. ``--min-batches
+  24`` measures the rate a long epoch settles at.
 * ``idle`` row: persistent workers, an epoch of batches that swing between
   4 KiB and 64 MiB; then, with the loader idle, the PSS of the main process
   and its workers, and what torchfeed's slots still hold (the arenas'
@@ -38,6 +51,7 @@ on a shared machine move with it, memory much less.
 
     python benchmarks/transport_memory.py               # the whole sweep (~15 min on 2 cores)
     python benchmarks/transport_memory.py --sizes 256 512 --worker-rows 0 --no-idle
+    python benchmarks/transport_memory.py --sizes 128 256 512 --min-batches 24 --memory-runs 0 --no-idle
 """
 
 from __future__ import annotations
@@ -84,61 +98,72 @@ class Swing(Full):
         return super().__getitem__(i)
 
 
-def pss_of(p) -> int:
+SHARED_MEMORY = ("/dev/shm/", "/memfd:")
+
+
+def _segment(path: str, held: dict) -> None:
+    """Note the shared-memory object at ``path`` (a /proc link) and its allocated bytes."""
     try:
-        return p.memory_full_info().pss
-    except (psutil.Error, AttributeError):
-        return 0
+        st = os.stat(path)
+    except OSError:
+        return
+    held[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+
+
+def tree_memory() -> tuple[int, int]:
+    """``(PSS, held)`` of this process and its children, in bytes (see the
+    module docstring)."""
+    me = psutil.Process()
+    pss = private = 0
+    segments: dict = {}
+    for p in [me, *me.children(recursive=True)]:
+        pid = p.pid
+        try:
+            with open(f"/proc/{pid}/smaps") as f:
+                shared = False
+                for line in f:
+                    first = line.split(None, 1)[0]
+                    if not first.endswith(":"):  # a mapping's header line
+                        fields = line.split(None, 5)
+                        shared = len(fields) > 5 and fields[5].startswith(SHARED_MEMORY)
+                        if shared:
+                            _segment(f"/proc/{pid}/map_files/{first}", segments)
+                    elif first == "Pss:":
+                        n = int(line.split()[1]) * 1024
+                        pss += n
+                        private += 0 if shared else n
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                path = f"/proc/{pid}/fd/{fd}"
+                try:
+                    if os.readlink(path).startswith(SHARED_MEMORY):
+                        _segment(path, segments)
+                except OSError:
+                    continue
+        except OSError:  # a worker that just exited
+            continue
+    return pss, private + sum(segments.values())
 
 
 def tree_pss() -> int:
-    me = psutil.Process()
-    return sum(pss_of(p) for p in [me, *me.children(recursive=True)])
+    return tree_memory()[0]
 
 
-def unmapped_shm() -> int:
-    """Resident bytes of shared-memory files the process tree holds by
-    descriptor but no process of it maps: torch's batches waiting in its
-    queues (a worker's resource sharer holds their descriptors until the main
-    process asks). PSS cannot see them."""
-    me = psutil.Process()
-    held: dict = {}
-    mapped: set = set()
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            for fd in os.listdir(f"/proc/{p.pid}/fd"):
-                path = f"/proc/{p.pid}/fd/{fd}"
-                target = os.readlink(path)
-                if target.startswith(("/dev/shm/", "/memfd:")):
-                    st = os.stat(path)
-                    held[st.st_ino] = st.st_blocks * 512
-            with open(f"/proc/{p.pid}/maps") as f:
-                for line in f:
-                    fields = line.split(None, 5)
-                    if len(fields) > 5 and fields[5].startswith(("/dev/shm/", "/memfd:")):
-                        mapped.add(int(fields[4]))
-        except OSError:
-            continue
-    return sum(n for ino, n in held.items() if ino not in mapped)
-
-
-def batches_per_run(mib: int, run_mib: int) -> int:
-    return max(6, min(200, run_mib // mib))
+def batches_per_run(mib: int, run_mib: int, min_batches: int = 6) -> int:
+    return max(min_batches, min(200, run_mib // mib))
 
 
 def one_run(cls, mib: int, workers: int, n: int, sample: bool):
-    if sample:  # reading PSS takes milliseconds; the peak comes within a few dozen batches
+    """(batches/s, peak PSS, peak held, torchfeed's slots at its PSS peak or None)."""
+    if sample:  # reading smaps takes milliseconds; the peak comes within a few dozen batches
         n = min(n, SAMPLED_BATCHES)
-    """(batches/s, peak PSS, peak PSS + unmapped shared memory, torchfeed's
-    slots at its PSS peak or None)."""
     loader = cls(Full(4 * n, mib * MIB // 4), batch_size=4, num_workers=workers)
     gc.collect()
-    peak, peak_all, at_peak = 0, 0, None
+    peak, peak_held, at_peak = 0, 0, None
     start = time.perf_counter()
     for batch in loader:
         if sample:
-            pss = tree_pss()
-            peak_all = max(peak_all, pss + unmapped_shm())
+            pss, held = tree_memory()
+            peak_held = max(peak_held, held)
             if pss > peak:
                 peak = pss
                 if cls is torchfeed.DataLoader:
@@ -148,11 +173,11 @@ def one_run(cls, mib: int, workers: int, n: int, sample: bool):
     rate = n / (time.perf_counter() - start)
     del loader
     gc.collect()
-    return rate, peak, peak_all, at_peak
+    return rate, peak, peak_held, at_peak
 
 
 def measure(mib: int, workers: int, args) -> dict:
-    n = batches_per_run(mib, args.run_mib)
+    n = batches_per_run(mib, args.run_mib, args.min_batches)
     rates = {k: [] for k in LOADERS}
     peaks: dict = {k: [] for k in LOADERS}
     slots: list = []
@@ -160,9 +185,9 @@ def measure(mib: int, workers: int, args) -> dict:
     for r in range(args.timed_runs + args.memory_runs):
         sample = r >= args.timed_runs
         for name in names[r % 2:] + names[:r % 2]:  # rotate who goes first
-            rate, peak, peak_all, at_peak = one_run(LOADERS[name], mib, workers, n, sample)
+            rate, peak, peak_held, at_peak = one_run(LOADERS[name], mib, workers, n, sample)
             if sample:
-                peaks[name].append((peak, peak_all))
+                peaks[name].append((peak, peak_held))
             else:
                 rates[name].append(rate)
             if sample and at_peak is not None:
@@ -186,7 +211,8 @@ def print_row(row: dict) -> None:
             if slots else "-")
     print(f"| {mib} MiB | {row['workers']} | {row['batches']} | {tr:.2f} | {fr:.2f} | "
           f"{fr / tr:.2f}x | {tp:.0f} | {fp:.0f} | {fp - tp:+.0f} ({(fp - tp) / mib:+.1f} batches) "
-          f"| {ta:.0f} | {fa:.0f} | {(fa - ta) / mib:+.1f} batches | {held} |", flush=True)
+          f"| {ta:.0f} | {fa:.0f} | {fa - ta:+.0f} ({(fa - ta) / mib:+.1f} batches) | {held} |",
+          flush=True)
 
 
 def run_idle(cls, args):
@@ -216,13 +242,14 @@ def main(argv=None):
     ap.add_argument("--timed-runs", type=int, default=3)
     ap.add_argument("--memory-runs", type=int, default=5)
     ap.add_argument("--run-mib", type=int, default=1536, help="MiB of batches per run")
+    ap.add_argument("--min-batches", type=int, default=6, help="batches per run, at least")
     ap.add_argument("--no-idle", action="store_true")
     ap.add_argument("--idle-batches", type=int, default=24)
     args = ap.parse_args(argv)
     print(f"# load before: {os.getloadavg()}; {os.cpu_count()} CPUs, torch {torch.__version__}; "
           f"medians of {args.timed_runs} timed and {args.memory_runs} memory runs")
     print("| batch | workers | batches/run | torch batches/s | torchfeed | ratio | torch peak PSS "
-          "MiB | torchfeed | difference | torch peak PSS + unmapped shm | torchfeed | difference "
+          "MiB | torchfeed | difference | torch peak held MiB | torchfeed | difference "
           "| torchfeed at its PSS peak |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     setups = [(mib, 2) for mib in args.sizes]

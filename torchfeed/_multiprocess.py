@@ -169,6 +169,7 @@ class MultiProcessIterator(BaseIterator):
         self._task_info: dict[int, TaskInfo] = {}  # send_idx -> what was sent, to which worker
         self._arrived: dict[int, Any] = {}      # send_idx -> batch that came back before its turn
         self._tasks_outstanding = 0
+        self._sampler_done = False
         self._worker_active[:] = [True] * self._num_workers  # the receiver shares the list
         self._workers_num_tasks = [0] * self._num_workers
         first = self._stream.next_worker  # a resumed IterableDataset goes on round-robin
@@ -197,6 +198,7 @@ class MultiProcessIterator(BaseIterator):
         try:
             batch_index, indices = self._next_index()
         except StopIteration:
+            self._sampler_done = True
             return
         active = sum(self._worker_active)
         for _ in range(self._num_workers):
@@ -348,6 +350,10 @@ class MultiProcessIterator(BaseIterator):
         worker_id, batch_index, indices = info
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
+        if self._sampler_done and not self._workers_num_tasks[worker_id]:
+            rest = getattr(self._unpacker, "rest", None)  # a transport may keep no slots
+            if rest is not None:
+                rest(worker_id)  # its last batch of the epoch: its slots need not wait for it
         if isinstance(data, WorkerFailure):
             self._stream.record_failure(batch_index, indices, worker_id)
             data.reraise()

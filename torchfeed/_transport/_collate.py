@@ -83,16 +83,18 @@ class DirectCollate:
     def _size_first_batch(self, samples: SampleStream) -> SampleStream:
         """The worker's first batch, whose size no batch has told yet. A huge
         one (its big arrays over ``_slots.WARM_BYTES``) gets a slot sized
-        from its first sample, 1/16 over for what is not streamed, and
-        streams into it; else it would be stacked in private memory and
-        copied into a new slot, writing fresh pages twice."""
+        from its first sample, with room for what is not streamed (arrays
+        under ``_stream.STREAM_MIN_BYTES`` a sample: 1/64 of it, at least
+        1 MiB), and streams into it; else it would be stacked in private
+        memory and copied into a new slot, writing fresh pages twice. Every
+        byte of the room is allocated and zeroed too, so it is kept small."""
         it = iter(samples)
         first = next(it, _END)
         if first is _END:
             return SampleStream(iter(()), len(samples))
         nbytes = streamable_bytes(first, len(samples))
         if nbytes > _slots.WARM_BYTES:
-            self.reset(self.pool.acquire(nbytes + nbytes // 16)[0])
+            self.reset(self.pool.acquire(nbytes + max(nbytes // 64, 1 << 20))[0])
             self.pool.last_nbytes = -1  # a guess, not a batch's size: sizes do not vary yet
         return SampleStream(itertools.chain([first], it), len(samples))
 

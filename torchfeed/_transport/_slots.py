@@ -11,7 +11,8 @@ process maps each slot region of it the first time it sees the slot.
 
 Layout of an arena file::
 
-    [0, 4096)          control block: 8-byte header, counters, one state byte per slot
+    [0, 4096)          control block: 8-byte header (``keeps_pages``), counters,
+                       one state byte per slot
     [65536, ...)       slot regions, each 64 KiB-aligned, allocated by the worker
 
 A slot is a region of the arena plus an index into the control block. Its
@@ -60,6 +61,7 @@ import numpy as np
 import torch
 
 CTRL_BYTES = mmap.PAGESIZE
+KEEPS_PAGES_AT = 0  # a byte of the header, written by the main process only
 STATES_AT = 64
 MAX_SLOTS = CTRL_BYTES - STATES_AT
 REGION_ALIGN = 1 << 16
@@ -111,7 +113,7 @@ N_COUNTERS = 7
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap module names it from 3.13 only
+_MADV_DONTNEED = mmap.MADV_DONTNEED
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
@@ -175,18 +177,29 @@ class SharedMap:
             raise OSError(e, os.strerror(e))
 
 
-def refill(fd: int, off: int, addr: int, length: int) -> None:
+def refill(fd: int, off: int, length: int) -> None:
     """Give back pages to ``length`` bytes of a slot whose pages were released
-    (``COLD``): ``off`` in arena ``fd``, mapped at ``addr`` in this process.
+    (``COLD``): ``off`` in arena ``fd``.
 
-    ``posix_fallocate`` first, so that a shortage is an ``OSError`` here and
-    never a SIGBUS while the batch is written; then the pages are mapped in
-    one call (``MADV_POPULATE_WRITE``) rather than one fault per page, which
-    costs about a quarter less. Kernels before 5.14 take the faults."""
-    if length <= 0:
-        return
-    os.posix_fallocate(fd, off, length)
-    _libc.madvise(addr, length, _MADV_POPULATE_WRITE)  # EINVAL where unknown: faults instead
+    ``posix_fallocate``, so that a shortage is an ``OSError`` here and never
+    a SIGBUS while the batch is written (a memfd write fault can raise one
+    under ``vm.overcommit_memory=2``). The pages are mapped by the writes
+    themselves: mapping them first (``MAP_POPULATE``, ``MADV_POPULATE_WRITE``)
+    costs more than the faults it saves (for 256 MiB on 2 cores, kernel 6.18:
+    about 110 ms to map them first, 90 ms of faults while writing)."""
+    if length > 0:
+        os.posix_fallocate(fd, off, length)
+
+
+def let_go_of_tail(slot: "WorkerSlot") -> None:
+    """The worker's page-table entries for the part of a huge slot that goes
+    ``COLD`` once its batch is consumed, dropped once the batch is written.
+    The pages stay in the arena for the main process to read; torch's worker
+    likewise unmaps a batch once sent. Without this the main process's
+    ``MADV_REMOVE`` tears these entries down, in the consumer's thread."""
+    warm = warm_bytes(slot.cap)
+    if warm < slot.cap:
+        _libc.madvise(slot.arr.ctypes.data + warm, slot.cap - warm, _MADV_DONTNEED)
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:
@@ -209,6 +222,16 @@ class ControlBlock:
         a = self.map.array
         self.states = a[STATES_AT:STATES_AT + MAX_SLOTS]
         self.counters = a[8:8 + 8 * N_COUNTERS].view(np.int64)
+
+    @property
+    def keeps_pages(self) -> bool:
+        """Set by the main process: a released slot keeps all its pages
+        (page-locked slots, ``_page_lock.py``), so no slot goes ``COLD``."""
+        return bool(self.map.array[KEEPS_PAGES_AT])
+
+    @keeps_pages.setter
+    def keeps_pages(self, value: bool) -> None:
+        self.map.array[KEEPS_PAGES_AT] = 1 if value else 0
 
 
 def punch(fd: int, keep=()) -> None:
@@ -330,7 +353,7 @@ class WorkerPool:
         if states[best.idx] == COLD:
             warm = warm_bytes(best.cap)
             try:
-                refill(self.fd, best.off + warm, best.arr.ctypes.data + warm, best.cap - warm)
+                refill(self.fd, best.off + warm, best.cap - warm)
             except OSError as e:
                 self.retire(best)
                 return None, NoSlot("oserror", best.cap, self.bytes, nbytes, str(e))
@@ -348,7 +371,10 @@ class WorkerPool:
         off = self._take_region(cap)
         try:
             os.posix_fallocate(self.fd, off, cap)
-            arr = SharedMap(self.fd, cap, off, populate=True).array
+            # A slot that keeps its pages is mapped at once: its later batches
+            # then write without a fault. A huge one is written as its pages
+            # come (see ``refill``).
+            arr = SharedMap(self.fd, cap, off, populate=cap <= WARM_BYTES).array
         except OSError as e:
             punch_hole(self.fd, off, cap)
             self._give_region(off, cap)

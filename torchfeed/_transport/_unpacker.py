@@ -82,10 +82,22 @@ class Unpacker:
         # memory back if its worker already has a free one. Not while batches
         # flow: reusing slots is what makes the transport fast.
         self.idle = False
+        self._resting: set[int] = set()  # workers that build nothing more this epoch (rest())
         self.unpacked = 0
         self.fallbacks = 0
         self.released_bytes = 0  # pages given back from free slots (reuse rule, trim)
-        self.pins: _page_lock.SlotPins | None = None  # page-locked slots: _page_lock.enable
+        self._pins: _page_lock.SlotPins | None = None
+
+    @property
+    def pins(self) -> _page_lock.SlotPins | None:
+        """The page-locked slots (``_page_lock.enable``), or None."""
+        return self._pins
+
+    @pins.setter
+    def pins(self, pins: _page_lock.SlotPins | None) -> None:
+        self._pins = pins
+        for ctrl in self._ctrl:  # their slots never go COLD: the workers keep their pages mapped
+            ctrl.keeps_pages = pins is not None
 
     def _slot(self, w, idx, uid, off, cap):
         entry = self._cache[w].get(idx)
@@ -145,7 +157,7 @@ class Unpacker:
                 self_.in_use_bytes -= cap
                 cache = self_._cache[w] if not self_.closed else {}
                 entry = cache.get(idx)
-                if self_.idle:
+                if self_.idle or w in self_._resting:
                     # As trim() would: a slot over IDLE_KEEP_BYTES goes, and so does
                     # one whose worker has a free slot already. A snapshot: the pin
                     # thread may add a slot to the cache meanwhile.
@@ -178,6 +190,21 @@ class Unpacker:
             for _, idx in free[keep:]:
                 _punch(self, cache[idx], states, idx)
 
+    def rest(self, w: int) -> None:
+        """Worker ``w`` builds nothing more this epoch: its free slots over
+        ``IDLE_KEEP_BYTES`` give their memory back now, while the other
+        workers still build, and its slots in use follow as their batches
+        are released, as while idle. Kept, their pages would go only when the
+        iterator closes or trims, after the last batch, where nothing overlaps
+        the work; torch's loader holds nothing of a batch once it is consumed."""
+        if self.closed:
+            return
+        self._resting.add(w)
+        cache, states = self._cache[w], self._ctrl[w].states
+        for idx, entry in tuple(cache.items()):
+            if entry.cap > IDLE_KEEP_BYTES and states[idx] in (_slots.FREE, _slots.COLD):
+                _punch(self, entry, states, idx)
+
     def unpack(self, payload):
         """The batch carried by ``payload``: zero-copy views of its slot."""
         if type(payload) is not tuple:
@@ -192,6 +219,7 @@ class Unpacker:
         owner = entry.base.view(_layout.SlotOwner)
         entry.ref = weakref.ref(owner, entry.release)
         self.idle = False
+        self._resting.discard(w)
         self.in_use += 1
         self.in_use_bytes += entry.cap
         self.unpacked += 1
@@ -270,6 +298,7 @@ class Unpacker:
         one, whose descriptor ``old_fd`` this closes."""
         cache, self._cache[w] = self._cache[w], {}
         self._ctrl[w] = _slots.ControlBlock(self._fds[w])
+        self._ctrl[w].keeps_pages = self._pins is not None
         if old_fd >= 0:
             self._let_go(cache, old_fd, counted=True)
             os.close(old_fd)
