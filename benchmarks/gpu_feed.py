@@ -169,12 +169,12 @@ def batch_bytes(dataset) -> int:
 def registration_ms(nbytes: int) -> tuple[float, float, float]:
     """(register ms, unregister ms, GB/s of a copy from it): one slot-sized memfd
     mapping registered with CUDA as torchfeed's main process does."""
-    from torchfeed._transport import _slots
+    from torchfeed._transport import _arena
 
     fd = os.memfd_create("gpu-feed-probe")
     try:
         os.posix_fallocate(fd, 0, nbytes)
-        shared = _slots.SharedMap(fd, nbytes, 0, populate=True)
+        shared = _arena.SharedMap(fd, nbytes, 0, populate=True)
         t = time.perf_counter()
         assert _page_lock.register(shared)
         reg = (time.perf_counter() - t) * 1e3

@@ -530,3 +530,77 @@ def test_free_huge_slots_keep_only_the_reuse_rule_and_slots_stay_the_same(monkey
     # batches alive at once (prefetch_factor + 1), however often they went cold.
     assert raw["allocations"] <= 2 * (loader.prefetch_factor + 1), raw
     assert peak_reuse <= warm * 2 * (loader.prefetch_factor + 1)
+
+
+def _arena_bytes(fds) -> int:
+    """What the slots of these arenas hold in memory now, their control pages aside."""
+    return sum(os.fstat(fd).st_blocks * 512 for fd in fds) - len(fds) * _slots.CTRL_BYTES
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_worker_done_for_the_epoch_gives_its_slots_back_before_the_epoch_ends(persistent):
+    # 4 MiB batches (over IDLE_KEEP_BYTES). Once a worker has built its last
+    # batch of the epoch, its free slots go at once, and its last batch's slot
+    # goes when that batch is dropped: before the iterator ends, not when it
+    # closes or trims.
+    batch_bytes = 4 << 20
+    loader = torchfeed.DataLoader(Fixed(4 * 8, batch_bytes // 4), batch_size=4, num_workers=2,
+                                  multiprocessing_context="fork", persistent_workers=persistent)
+    for epoch in range(2 if persistent else 1):
+        it = iter(loader)
+        fds = it._channel.fds
+        for k in range(8):
+            batch = next(it)
+            assert torch.equal(batch[:, 0], torch.arange(4 * k, 4 * k + 4, dtype=torch.float32))
+            if k == 6:  # worker 0's last batch: all it holds is this batch's slot
+                assert _arena_bytes(fds[:1]) <= batch.numel() * 4 + (1 << 16), it._unpacker.stats()
+            del batch
+        # Both workers are done and every batch is dropped: nothing is left,
+        # and the iterator has not ended yet.
+        assert _arena_bytes(fds) == 0, it._unpacker.stats()
+        with pytest.raises(StopIteration):
+            next(it)
+    del it, loader
+
+
+def _worker_rss_in_slots(pid: int) -> int:
+    """The bytes of torchfeed's arenas that worker ``pid`` has in its page tables."""
+    rss, in_arena = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split(None, 1)[0]
+            if not first.endswith(":"):
+                in_arena = "/memfd:torchfeed-transport" in line
+            elif first == "Rss:" and in_arena:
+                rss += int(line.split()[1]) * 1024
+    return rss
+
+
+@pytest.mark.timeout(90)
+def test_the_worker_lets_go_of_the_cold_part_of_a_huge_slot_unless_the_slot_keeps_its_pages(
+        monkeypatch):
+    # WARM_BYTES is 1 MiB here, so an 8 MiB batch's slot is huge; the forked
+    # worker inherits the patched module. One worker, one batch an epoch: once
+    # the batch is here, the worker builds nothing.
+    warm = 1 << 20
+    monkeypatch.setattr(_slots, "WARM_BYTES", warm)
+    batch_bytes = 8 << 20
+    loader = torchfeed.DataLoader(Fixed(4, batch_bytes // 4), batch_size=4, num_workers=1,
+                                  multiprocessing_context="fork", persistent_workers=True)
+    it = iter(loader)
+    batch = next(it)
+    pid = it._workers[0].pid
+    # The batch is whole in the main process; the worker maps only the warm part.
+    assert float(batch.sum()) == sum(range(4)) * batch_bytes // 16
+    assert _worker_rss_in_slots(pid) <= warm + _slots.CTRL_BYTES, _worker_rss_in_slots(pid)
+    del batch
+    assert list(it) == []
+    # Page-locked slots keep every page (the main process sets the flag): the
+    # worker keeps its mapping of all of it, so its next batch takes no fault.
+    it._unpacker._ctrl[0].keeps_pages = True
+    it = iter(loader)
+    batch = next(it)
+    assert float(batch.sum()) == sum(range(4)) * batch_bytes // 16
+    assert _worker_rss_in_slots(pid) >= batch_bytes, _worker_rss_in_slots(pid)
+    del batch, it, loader

@@ -8,7 +8,8 @@ Two transports share one interface:
   zero-copy views of the slot and hands the slot back to the worker when the
   last view dies. See ``_shm.py`` (the channel), ``_packer.py`` (the worker's
   side), ``_unpacker.py`` (the main process's side), ``_slots.py``
-  (arenas, control block, pools), ``_layout.py`` (flatten/rebuild of nested
+  (control block, pools), ``_arena.py`` (the memfd and its pages at the
+  level of system calls), ``_layout.py`` (flatten/rebuild of nested
   batches), ``_collate.py`` (default_collate straight into a slot),
   ``_stream.py`` (big arrays copied into the slot as each sample arrives) and
   ``_space.py`` (how much shared memory the slots may use).
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 
 from .._options import TRANSPORT_ENV as ENV_TRANSPORT
 from .._options import TRANSPORTS, resolve_transport  # the loader's: one check, one message
-from . import _slots, _space
+from . import _arena, _space
 from ._collate import is_default_collate
 from ._packer import Packer, Plain, ShmFallbackWarning
 from ._shm import ShmChannel
@@ -55,7 +56,7 @@ from ._stream import SampleStream
 from ._unpacker import Unpacker
 
 # Below this per-worker budget the slots would not be worth having.
-MIN_BYTES_PER_WORKER = 2 * _slots.REGION_ALIGN + _slots.CTRL_BYTES
+MIN_BYTES_PER_WORKER = 2 * _arena.REGION_ALIGN + _arena.CTRL_BYTES
 
 __all__ = [
     "ENV_LIMIT", "ENV_TRANSPORT", "TRANSPORTS", "Packer", "Plain", "SampleStream", "ShmChannel",
@@ -105,7 +106,7 @@ def create_channel(num_workers: int, mp_context=None, options=None):
     if num_workers < 1:
         raise ValueError(f"num_workers must be at least 1, got {num_workers}")
     kind = resolve_transport(_option(options, "transport"))
-    if kind == "torch" or not _slots.memfd_supported():
+    if kind == "torch" or not _arena.memfd_supported():
         return TorchChannel(num_workers)
     limit = _option(options, "shm_limit")
     budget, source = _space.shm_budget(limit)

@@ -77,7 +77,7 @@ def wanted() -> bool:
 
 
 def register(shared_map) -> bool:
-    """Page-lock ``shared_map`` (a ``_slots.SharedMap``); False, with one warning, if CUDA refuses."""
+    """Page-lock ``shared_map`` (an ``_arena.SharedMap``); False, with one warning, if CUDA refuses."""
     rc = int(torch.cuda.cudart().cudaHostRegister(shared_map.addr, shared_map.length,
                                                   _HOST_REGISTER_PORTABLE))
     if rc != 0:

@@ -24,7 +24,7 @@ import warnings
 import weakref
 from multiprocessing import reduction
 
-from . import _slots
+from . import _arena
 from ._packer import Packer, ShmFallbackWarning
 from ._unpacker import Unpacker
 
@@ -59,7 +59,7 @@ class ShmChannel:
         if disabled_warning is None:
             try:
                 for w in range(num_workers):
-                    self._fds.append(_slots.create_arena(w))
+                    self._fds.append(_arena.create_arena(w))
             except BaseException:
                 _close_fds(self._fds, self._owner_pid)
                 raise
@@ -95,7 +95,7 @@ class ShmChannel:
             return
         if os.getpid() != self._creator_pid:
             raise RuntimeError("torchfeed: only the main process may renew an arena")
-        fd = _slots.create_arena(worker_id)
+        fd = _arena.create_arena(worker_id)
         old, self._fds[worker_id] = self._fds[worker_id], fd
         self._generations[worker_id] += 1
         if self._unpacker is not None and not self._unpacker.closed:

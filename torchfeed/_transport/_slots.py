@@ -9,7 +9,7 @@ its memory is freed by the kernel once the last descriptor and mapping are
 gone, however the processes ended. The worker grows its arena; the main
 process maps each slot region of it the first time it sees the slot.
 
-Layout of an arena file::
+Layout of an arena file (its system calls: ``_arena.py``)::
 
     [0, 4096)          control block: 8-byte header (``keeps_pages``), counters,
                        one state byte per slot
@@ -25,7 +25,8 @@ back is ``RETIRED``: to the main process, neither is free. At the end of an
 epoch of a persistent loader, the main process gives the memory of every free
 slot but one small one per worker back to the system and marks those ``PUNCHED``
 (``Unpacker.trim``), and does the same for slots released while the loader is
-idle; the worker then forgets them. So an idle loader holds at most one slot
+idle, or while their worker has no batch left to build this epoch
+(``Unpacker.rest``); the worker then forgets them. So an idle loader holds at most one slot
 of at most 1 MiB per worker (``_unpacker.IDLE_KEEP_BYTES``).
 
 While batches flow, slots are kept and reused: writing into pages already
@@ -33,45 +34,33 @@ there is several times faster than into fresh ones. The reuse rule
 (``warm_bytes``) bounds what that costs for huge batches: a free slot keeps at
 most ``WARM_BYTES`` (64 MiB) of its pages. When the batch of a bigger slot is
 released, the main process gives back the pages past that and marks the slot
-``COLD``; the worker gives it pages again (``refill``) when it next takes it.
+``COLD``; the worker gives it pages again (``refill``) when it next takes it,
+and drops its own mapping of those pages once it has written a batch
+(``let_go_of_tail``), unless the main process keeps them (``keeps_pages``).
 The slot keeps its index, region and mappings, so the number of slots stays
 what the batches alive at once need (``prefetch_factor + 1`` per worker
 when the consumer keeps nothing) and nothing is mapped anew per batch.
 
-Every region is allocated with ``posix_fallocate`` before it is mapped, so a
-shortage is an ``OSError`` (ENOSPC/ENOMEM), never a SIGBUS on first touch.
-Freed regions are punched out of the file (``fallocate(PUNCH_HOLE)``, or
-``MADV_REMOVE`` through a mapping once the descriptor is closed), which returns
-the memory even when some other process, a forked child say, still holds the
-descriptor or a mapping. Mappings are made with libc (see :class:`SharedMap`)
-so that they hold no descriptor: the main process keeps exactly one
-descriptor per worker while the iterator runs, and none after it ends.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import mmap
 import os
-import weakref
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-CTRL_BYTES = mmap.PAGESIZE
+from ._arena import CTRL_BYTES, FIRST_REGION, REGION_ALIGN, SharedMap, drop_pages, punch_hole, refill
+
 KEEPS_PAGES_AT = 0  # a byte of the header, written by the main process only
 STATES_AT = 64
 MAX_SLOTS = CTRL_BYTES - STATES_AT
-REGION_ALIGN = 1 << 16
-FIRST_REGION = REGION_ALIGN
 FREE, IN_FLIGHT, PUNCHED, FILLING, RETIRED, COLD = 0, 1, 2, 3, 4, 5
 
 # The reuse rule (``warm_bytes``): a free slot keeps at most this many bytes
 # of pages for its worker's next batch.
 WARM_BYTES = 64 << 20
-
 
 
 def warm_bytes(cap: int) -> int:
@@ -111,85 +100,6 @@ class NoSlot(NamedTuple):
 C_ALLOCATIONS, C_RETIRED, C_BYTES, C_SLOTS, C_FALLBACKS, C_PACKED, C_DIRECT = range(7)
 N_COUNTERS = 7
 
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_MADV_DONTNEED = mmap.MADV_DONTNEED
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def memfd_supported() -> bool:
-    return hasattr(os, "memfd_create") and hasattr(mmap, "MADV_REMOVE")
-
-
-def create_arena(worker_id: int) -> int:
-    """A new, empty arena for one worker; returns its descriptor."""
-    fd = os.memfd_create(f"torchfeed-transport-w{worker_id}", os.MFD_CLOEXEC)
-    try:
-        os.posix_fallocate(fd, 0, CTRL_BYTES)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-class SharedMap:
-    """``length`` bytes of ``fd`` from ``offset``, mapped shared and read-write.
-
-    Python's ``mmap.mmap`` keeps a duplicate of the descriptor for as long as
-    the mapping lives (before Python 3.13), which would cost one descriptor
-    per slot and keep descriptors open in the user's batches after the
-    iterator ends. This maps with libc instead: ``array`` (a uint8 numpy
-    array) is the mapping; the memory is unmapped when the last view of
-    ``array`` dies, and no descriptor is held.
-    """
-
-    __slots__ = ("addr", "length", "array")
-
-    def __init__(self, fd: int, length: int, offset: int = 0, populate: bool = False):
-        flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
-        addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
-        if addr in (None, _MAP_FAILED):
-            e = ctypes.get_errno()
-            raise OSError(e, f"mmap of {length} bytes of shared memory failed: {os.strerror(e)}")
-        self.addr, self.length = addr, length
-        # a ctypes array has the buffer protocol; numpy's stubs do not list ctypes
-        self.array = np.frombuffer((ctypes.c_ubyte * length).from_address(addr), np.uint8)  # type: ignore[call-overload]
-        fin = weakref.finalize(self.array, _libc.munmap, addr, length)
-        fin.atexit = False  # exiting unmaps anyway; earlier could pull memory from live views
-
-    def remove(self, start: int = 0, _madvise=_libc.madvise, _remove=mmap.MADV_REMOVE) -> None:
-        """Give the pages from ``start`` (page-aligned) to the end back to the
-        system (later reads see zeros).
-
-        Bound as defaults: a batch kept to the end of the program dies while
-        the interpreter tears modules down."""
-        if start >= self.length:
-            return
-        if _madvise(self.addr + start, self.length - start, _remove) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, os.strerror(e))
-
-
-def refill(fd: int, off: int, length: int) -> None:
-    """Give back pages to ``length`` bytes of a slot whose pages were released
-    (``COLD``): ``off`` in arena ``fd``.
-
-    ``posix_fallocate``, so that a shortage is an ``OSError`` here and never
-    a SIGBUS while the batch is written (a memfd write fault can raise one
-    under ``vm.overcommit_memory=2``). The pages are mapped by the writes
-    themselves: mapping them first (``MAP_POPULATE``, ``MADV_POPULATE_WRITE``)
-    costs more than the faults it saves (for 256 MiB on 2 cores, kernel 6.18:
-    about 110 ms to map them first, 90 ms of faults while writing)."""
-    if length > 0:
-        os.posix_fallocate(fd, off, length)
-
 
 def let_go_of_tail(slot: "WorkerSlot") -> None:
     """The worker's page-table entries for the part of a huge slot that goes
@@ -199,17 +109,7 @@ def let_go_of_tail(slot: "WorkerSlot") -> None:
     ``MADV_REMOVE`` tears these entries down, in the consumer's thread."""
     warm = warm_bytes(slot.cap)
     if warm < slot.cap:
-        _libc.madvise(slot.arr.ctypes.data + warm, slot.cap - warm, _MADV_DONTNEED)
-
-
-def punch_hole(fd: int, offset: int, length: int) -> None:
-    """Give back the memory of ``[offset, offset+length)`` of ``fd``."""
-    if length <= 0:
-        return
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-        e = ctypes.get_errno()
-        if e not in (errno.EBADF,):
-            raise OSError(e, os.strerror(e))
+        drop_pages(slot.arr.ctypes.data + warm, slot.cap - warm)
 
 
 class ControlBlock:
@@ -232,20 +132,6 @@ class ControlBlock:
     @keeps_pages.setter
     def keeps_pages(self, value: bool) -> None:
         self.map.array[KEEPS_PAGES_AT] = 1 if value else 0
-
-
-def punch(fd: int, keep=()) -> None:
-    """Give back the memory of every slot region of arena ``fd`` except ``keep``.
-
-    ``keep`` is a list of ``(offset, length)`` regions still referenced by
-    batches the user holds.
-    """
-    size = os.fstat(fd).st_size
-    start = FIRST_REGION
-    for off, length in sorted(keep):
-        punch_hole(fd, start, off - start)
-        start = max(start, off + length)
-    punch_hole(fd, start, size - start)
 
 
 def _round_up(n: int, to: int) -> int:

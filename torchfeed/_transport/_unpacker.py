@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import _layout, _page_lock, _slots
+from . import _arena, _layout, _page_lock, _slots
 from ._packer import Inline, Plain, ShmFallbackWarning
 
 
@@ -323,7 +323,7 @@ class Unpacker:
                 del owner
             elif self.pins is not None and self.pins.let_go(entry, False, None):
                 keep.append((entry.off, entry.cap))  # the releaser gives it back
-        _slots.punch(fd, keep)
+        _arena.punch(fd, keep)
 
 
 def _punch(unpacker: Unpacker, entry, states, idx) -> bool:
