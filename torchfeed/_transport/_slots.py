@@ -51,7 +51,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ._arena import CTRL_BYTES, FIRST_REGION, REGION_ALIGN, SharedMap, drop_pages, punch_hole, refill
+from ._arena import (
+    CTRL_BYTES,
+    FIRST_REGION,
+    REGION_ALIGN,
+    SharedMap,
+    drop_pages,
+    punch_hole,
+    refill,
+    strict_overcommit,
+)
 
 KEEPS_PAGES_AT = 0  # a byte of the header, written by the main process only
 STATES_AT = 64
@@ -181,6 +190,7 @@ class WorkerPool:
         self.budget = budget
         self.max_slots = min(max_slots, MAX_SLOTS)
         self.idle_batches = idle_batches
+        self.strict_overcommit = strict_overcommit()
         self.slots: dict[int, WorkerSlot] = {}
         self.free_idx = list(range(MAX_SLOTS - 1, -1, -1))
         self.free_regions: list[tuple[int, int]] = []
@@ -239,7 +249,7 @@ class WorkerPool:
         if states[best.idx] == COLD:
             warm = warm_bytes(best.cap)
             try:
-                refill(self.fd, best.off + warm, best.cap - warm)
+                refill(self.fd, best.off + warm, best.cap - warm, self.strict_overcommit)
             except OSError as e:
                 self.retire(best)
                 return None, NoSlot("oserror", best.cap, self.bytes, nbytes, str(e))
