@@ -1,12 +1,10 @@
 """An arena's memory at the level of system calls: the memfd itself,
 mappings that hold no descriptor, and pages given back (``punch_hole``,
-``SharedMap.remove``) or taken again (``provide``). What the regions of an
+``SharedMap.remove``) or taken again (``refill``). What the regions of an
 arena mean, slots and their states, is ``_slots.py``'s.
 
-Under strict overcommit, every region is allocated with ``posix_fallocate``
-before it is written, so a shortage is an ``OSError`` (ENOSPC/ENOMEM), never
-a SIGBUS on first touch; elsewhere the kernel refuses no page of a memfd,
-and the writes take them (``provide``).
+Every region is allocated with ``posix_fallocate`` before it is mapped, so a
+shortage is an ``OSError`` (ENOSPC/ENOMEM), never a SIGBUS on first touch.
 Freed regions are punched out of the file (``fallocate(PUNCH_HOLE)``, or
 ``MADV_REMOVE`` through a mapping once the descriptor is closed), which returns
 the memory even when some other process, a forked child say, still holds the
@@ -101,36 +99,18 @@ def drop_pages(addr: int, length: int) -> None:
     _libc.madvise(addr, length, mmap.MADV_DONTNEED)
 
 
-def strict_overcommit() -> bool:
-    """Whether the kernel counts every page against a commit limit
-    (``vm.overcommit_memory=2``); unknown counts as yes."""
-    try:
-        with open("/proc/sys/vm/overcommit_memory") as f:
-            return f.read().strip() == "2"
-    except OSError:
-        return True
+def refill(fd: int, off: int, length: int) -> None:
+    """Give back pages to ``length`` bytes of a slot whose pages were released
+    (``COLD``): ``off`` in arena ``fd``.
 
-
-def provide(fd: int, off: int, length: int, strict: bool) -> None:
-    """Make ``length`` bytes at ``off`` of arena ``fd`` safe to write: a new
-    slot's region, or the pages a ``COLD`` slot gave back.
-
-    Under strict overcommit (``strict``) a memfd page can be refused for the
-    commit limit, and a write fault refused a page is a SIGBUS; so the pages
-    are allocated first (``posix_fallocate``), where a refusal is an
-    ``OSError``. Otherwise the kernel refuses no page for that, and running
-    out of memory is the OOM killer's business, for ``fallocate`` as for a
-    fault: the file only has to reach past the region, and the writes take
-    the pages as they go, which saves a pass over them (for 256 MiB on 2
-    cores, kernel 6.18: 138 ms of faults alone, 177 ms with ``fallocate``
-    first). Mapping the pages before the writes (``MADV_POPULATE_WRITE``)
-    costs more than the faults it saves."""
-    if length <= 0:
-        return
-    if strict:
-        os.posix_fallocate(fd, off, length)  # grows the file too
-    elif os.fstat(fd).st_size < off + length:
-        os.ftruncate(fd, off + length)
+    ``posix_fallocate``, so that a shortage is an ``OSError`` here and never
+    a SIGBUS while the batch is written (a memfd write fault can raise one
+    under ``vm.overcommit_memory=2``). The pages are mapped by the writes
+    themselves: mapping them first (``MAP_POPULATE``, ``MADV_POPULATE_WRITE``)
+    costs more than the faults it saves (for 256 MiB on 2 cores, kernel 6.18:
+    about 110 ms to map them first, 90 ms of faults while writing)."""
+    if length > 0:
+        os.posix_fallocate(fd, off, length)
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:

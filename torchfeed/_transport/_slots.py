@@ -34,7 +34,7 @@ there is several times faster than into fresh ones. The reuse rule
 (``warm_bytes``) bounds what that costs for huge batches: a free slot keeps at
 most ``WARM_BYTES`` (64 MiB) of its pages. When the batch of a bigger slot is
 released, the main process gives back the pages past that and marks the slot
-``COLD``; the worker gives it pages again (``provide``) when it next takes it,
+``COLD``; the worker gives it pages again (``refill``) when it next takes it,
 and drops its own mapping of those pages once it has written a batch
 (``let_go_of_tail``), unless the main process keeps them (``keeps_pages``).
 The slot keeps its index, region and mappings, so the number of slots stays
@@ -45,21 +45,13 @@ when the consumer keeps nothing) and nothing is mapped anew per batch.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ._arena import (
-    CTRL_BYTES,
-    FIRST_REGION,
-    REGION_ALIGN,
-    SharedMap,
-    drop_pages,
-    provide,
-    punch_hole,
-    strict_overcommit,
-)
+from ._arena import CTRL_BYTES, FIRST_REGION, REGION_ALIGN, SharedMap, drop_pages, punch_hole, refill
 
 KEEPS_PAGES_AT = 0  # a byte of the header, written by the main process only
 STATES_AT = 64
@@ -76,7 +68,7 @@ def warm_bytes(cap: int) -> int:
     pages for the worker's next batch: all of them up to ``WARM_BYTES``.
     The pages past that go back to the system when the slot's batch is
     released, and the slot is then ``COLD``: the worker gives it pages again
-    (``provide``) before its next batch, as torch's loader pays for a fresh
+    (``refill``) before its next batch, as torch's loader pays for a fresh
     segment for every batch. The slot itself, its index and its mappings stay."""
     return min(cap, WARM_BYTES)
 
@@ -189,7 +181,6 @@ class WorkerPool:
         self.budget = budget
         self.max_slots = min(max_slots, MAX_SLOTS)
         self.idle_batches = idle_batches
-        self.strict_overcommit = strict_overcommit()
         self.slots: dict[int, WorkerSlot] = {}
         self.free_idx = list(range(MAX_SLOTS - 1, -1, -1))
         self.free_regions: list[tuple[int, int]] = []
@@ -248,7 +239,7 @@ class WorkerPool:
         if states[best.idx] == COLD:
             warm = warm_bytes(best.cap)
             try:
-                provide(self.fd, best.off + warm, best.cap - warm, self.strict_overcommit)
+                refill(self.fd, best.off + warm, best.cap - warm)
             except OSError as e:
                 self.retire(best)
                 return None, NoSlot("oserror", best.cap, self.bytes, nbytes, str(e))
@@ -265,10 +256,10 @@ class WorkerPool:
             return None, NoSlot("budget", cap, self.bytes + cap, nbytes)
         off = self._take_region(cap)
         try:
-            provide(self.fd, off, cap, self.strict_overcommit)
+            os.posix_fallocate(self.fd, off, cap)
             # A slot that keeps its pages is mapped at once: its later batches
             # then write without a fault. A huge one is written as its pages
-            # come (see ``_arena.provide``).
+            # come (see ``refill``).
             arr = SharedMap(self.fd, cap, off, populate=cap <= WARM_BYTES).array
         except OSError as e:
             punch_hole(self.fd, off, cap)

@@ -19,11 +19,9 @@ Policy when the slots do not fit (documented in the README): torchfeed does not
 raise. Batches that do not fit go through torch's own transport, and the main
 process warns once, naming the bytes needed, the bytes allowed, where the limit
 came from, the free space in ``/dev/shm`` (which torch's transport uses) and the
-fix. torchfeed never dies with a bus error on its own slots. A memfd page is
-refused only under strict overcommit (``vm.overcommit_memory=2``), and there
-every slot's pages are allocated with ``posix_fallocate`` before they are
-written, which fails with ``ENOSPC`` or ``ENOMEM`` instead
-(``_arena.provide``).
+fix. torchfeed never dies with a bus error on its own slots: every slot is
+allocated up front with ``posix_fallocate``, which fails with ``ENOSPC`` or
+``ENOMEM`` instead.
 """
 
 from __future__ import annotations
