@@ -532,7 +532,7 @@ def test_free_huge_slots_keep_only_the_reuse_rule_and_slots_stay_the_same(monkey
     assert peak_reuse <= warm * 2 * (loader.prefetch_factor + 1)
 
 
-def _arena_bytes(fds) -> int:
+def _slot_bytes(fds) -> int:
     """What the slots of these arenas hold in memory now, their control pages aside."""
     return sum(os.fstat(fd).st_blocks * 512 for fd in fds) - len(fds) * _slots.CTRL_BYTES
 
@@ -554,11 +554,11 @@ def test_a_worker_done_for_the_epoch_gives_its_slots_back_before_the_epoch_ends(
             batch = next(it)
             assert torch.equal(batch[:, 0], torch.arange(4 * k, 4 * k + 4, dtype=torch.float32))
             if k == 6:  # worker 0's last batch: all it holds is this batch's slot
-                assert _arena_bytes(fds[:1]) <= batch.numel() * 4 + (1 << 16), it._unpacker.stats()
+                assert _slot_bytes(fds[:1]) <= batch.numel() * 4 + (1 << 16), it._unpacker.stats()
             del batch
         # Both workers are done and every batch is dropped: nothing is left,
         # and the iterator has not ended yet.
-        assert _arena_bytes(fds) == 0, it._unpacker.stats()
+        assert _slot_bytes(fds) == 0, it._unpacker.stats()
         with pytest.raises(StopIteration):
             next(it)
     del it, loader

@@ -197,7 +197,7 @@ class Unpacker:
         are released, as while idle. Kept, their pages would go only when the
         iterator closes or trims, after the last batch, where nothing overlaps
         the work; torch's loader holds nothing of a batch once it is consumed."""
-        if self.closed:
+        if self.closed or w >= len(self._cache):  # a transport with no arenas (over budget)
             return
         self._resting.add(w)
         cache, states = self._cache[w], self._ctrl[w].states
