@@ -106,9 +106,9 @@ def refill(fd: int, off: int, length: int) -> None:
     ``posix_fallocate``, so that a shortage is an ``OSError`` here and never
     a SIGBUS while the batch is written (a memfd write fault can raise one
     under ``vm.overcommit_memory=2``). The pages are mapped by the writes
-    themselves: mapping them first (``MAP_POPULATE``, ``MADV_POPULATE_WRITE``)
-    costs more than the faults it saves (for 256 MiB on 2 cores, kernel 6.18:
-    about 110 ms to map them first, 90 ms of faults while writing)."""
+    themselves: on the 2-core test machine (kernel 6.18), mapping them first
+    (``MAP_POPULATE``, ``MADV_POPULATE_WRITE``) cost more than the faults it
+    saved."""
     if length > 0:
         os.posix_fallocate(fd, off, length)
 

@@ -161,8 +161,7 @@ class Packer:
         c.expected_nbytes = need
         pool = self.pool
         pool.states[slot.idx] = _slots.IN_FLIGHT
-        if slot.cap > _slots.WARM_BYTES and not pool.ctrl.keeps_pages:
-            _slots.let_go_of_tail(slot)
+        pool.let_go_of_tail(slot)
         pool.counters[_slots.C_PACKED] += 1
         return (self.worker_id, slot.idx, slot.uid, slot.off, slot.cap, p.data, p.descs)
 

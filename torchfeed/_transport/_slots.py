@@ -36,11 +36,11 @@ most ``WARM_BYTES`` (64 MiB) of its pages. When the batch of a bigger slot is
 released, the main process gives back the pages past that and marks the slot
 ``COLD``; the worker gives it pages again (``refill``) when it next takes it,
 and drops its own mapping of those pages once it has written a batch
-(``let_go_of_tail``), unless the main process keeps them (``keeps_pages``).
+(``WorkerPool.let_go_of_tail``), unless the main process keeps them
+(``keeps_pages``).
 The slot keeps its index, region and mappings, so the number of slots stays
 what the batches alive at once need (``prefetch_factor + 1`` per worker
 when the consumer keeps nothing) and nothing is mapped anew per batch.
-
 """
 
 from __future__ import annotations
@@ -99,17 +99,6 @@ class NoSlot(NamedTuple):
 # int64 counters at byte 8 of the control block, written by the worker only.
 C_ALLOCATIONS, C_RETIRED, C_BYTES, C_SLOTS, C_FALLBACKS, C_PACKED, C_DIRECT = range(7)
 N_COUNTERS = 7
-
-
-def let_go_of_tail(slot: "WorkerSlot") -> None:
-    """The worker's page-table entries for the part of a huge slot that goes
-    ``COLD`` once its batch is consumed, dropped once the batch is written.
-    The pages stay in the arena for the main process to read; torch's worker
-    likewise unmaps a batch once sent. Without this the main process's
-    ``MADV_REMOVE`` tears these entries down, in the consumer's thread."""
-    warm = warm_bytes(slot.cap)
-    if warm < slot.cap:
-        drop_pages(slot.arr.ctypes.data + warm, slot.cap - warm)
 
 
 class ControlBlock:
@@ -307,6 +296,17 @@ class WorkerPool:
             self.end = off
         else:
             self.free_regions.append((off, cap))
+
+    def let_go_of_tail(self, slot: WorkerSlot) -> None:
+        """Drop this worker's page-table entries for the part of a huge slot
+        that goes ``COLD`` once its batch is consumed; call once the batch is
+        written. The pages stay in the arena for the main process to read;
+        torch's worker likewise unmaps a batch once sent. Without this the
+        main process's ``MADV_REMOVE`` tears these entries down, in the
+        consumer's thread. Page-locked slots keep every page (``keeps_pages``)."""
+        warm = warm_bytes(slot.cap)
+        if warm < slot.cap and not self.ctrl.keeps_pages:
+            drop_pages(slot.arr.ctypes.data + warm, slot.cap - warm)
 
     def close(self) -> None:
         for s in self.slots.values():

@@ -182,28 +182,29 @@ class Unpacker:
         if self.closed:
             return
         self.idle = True  # and batches released while idle follow suit
-        for w, cache in enumerate(self._cache):
-            states = self._ctrl[w].states
-            free = sorted((e.cap, idx) for idx, e in cache.items()
-                          if states[idx] in (_slots.FREE, _slots.COLD))
-            keep = 1 if free and free[0][0] <= IDLE_KEEP_BYTES else 0
-            for _, idx in free[keep:]:
-                _punch(self, cache[idx], states, idx)
+        for w in range(len(self._cache)):
+            self._trim_worker(w)
 
     def rest(self, w: int) -> None:
-        """Worker ``w`` builds nothing more this epoch: its free slots over
-        ``IDLE_KEEP_BYTES`` give their memory back now, while the other
-        workers still build, and its slots in use follow as their batches
-        are released, as while idle. Kept, their pages would go only when the
-        iterator closes or trims, after the last batch, where nothing overlaps
-        the work; torch's loader holds nothing of a batch once it is consumed."""
+        """Worker ``w`` builds nothing more this epoch: its free slots go now
+        as ``trim`` would take them, while the other workers still build, and
+        its slots in use follow as their batches are released, as while idle.
+        Kept, their pages would go only when the iterator closes or trims,
+        after the last batch, where nothing overlaps the work; torch's loader
+        holds nothing of a batch once it is consumed."""
         if self.closed or w >= len(self._cache):  # a transport with no arenas (over budget)
             return
         self._resting.add(w)
+        self._trim_worker(w)
+
+    def _trim_worker(self, w: int) -> None:
+        """``trim`` for worker ``w``'s free slots."""
         cache, states = self._cache[w], self._ctrl[w].states
-        for idx, entry in tuple(cache.items()):
-            if entry.cap > IDLE_KEEP_BYTES and states[idx] in (_slots.FREE, _slots.COLD):
-                _punch(self, entry, states, idx)
+        free = sorted((e.cap, idx) for idx, e in tuple(cache.items())
+                      if states[idx] in (_slots.FREE, _slots.COLD))
+        keep = 1 if free and free[0][0] <= IDLE_KEEP_BYTES else 0
+        for _, idx in free[keep:]:
+            _punch(self, cache[idx], states, idx)
 
     def unpack(self, payload):
         """The batch carried by ``payload``: zero-copy views of its slot."""
