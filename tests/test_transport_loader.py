@@ -604,3 +604,20 @@ def test_the_worker_lets_go_of_the_cold_part_of_a_huge_slot_unless_the_slot_keep
     assert float(batch.sum()) == sum(range(4)) * batch_bytes // 16
     assert _worker_rss_in_slots(pid) >= batch_bytes, _worker_rss_in_slots(pid)
     del batch, it, loader
+
+
+@pytest.mark.timeout(90)
+def test_a_workers_first_huge_batch_gets_a_slot_with_little_room(monkeypatch):
+    # WARM_BYTES is 1 MiB here, so a 64 MiB batch is huge and streams into a
+    # slot sized from its first sample: the batch plus 1/64 of it, at least
+    # 1 MiB, for what is not streamed. Every byte of that room is allocated.
+    monkeypatch.setattr(_slots, "WARM_BYTES", 1 << 20)
+    batch_bytes = 64 << 20
+    loader = torchfeed.DataLoader(Fixed(4, batch_bytes // 4), batch_size=4, num_workers=1,
+                                  multiprocessing_context="fork")
+    it = iter(loader)
+    batch = next(it)
+    assert float(batch[:, 0].sum()) == 6.0
+    caps = [cap for _, _, cap, *_ in loader.stats()["shm"]["slot_table"]]
+    assert caps == [batch_bytes + (1 << 20)], caps
+    del batch, it, loader
