@@ -389,7 +389,7 @@ class MultiProcessIterator(BaseIterator):
     def _shutdown_workers(self) -> None:
         if self.shut_down:
             return
-        self._stats.last_look()  # the workers' memory, while they are still there
+        self._stats.settle()  # a memory reading still running, while the workers are there
         self._receiver.stopped = True
         try:
             if self._pin_thread is not None:

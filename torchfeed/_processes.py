@@ -58,6 +58,7 @@ from ._pickling import describe_unpicklable
 from ._stack_dump import StackPipe
 from ._torch_compat import WARNS_OF_PICKLE_ERROR
 from ._worker import WorkerSpec, worker_loop
+from ._worker_costs import finish_readings
 
 SHUTDOWN_GRACE = 1.0  # seconds all workers share to exit before termination
 
@@ -84,6 +85,7 @@ def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
     index_queue = IndexQueue(ctx)
     stack_pipe = StackPipe(ctx)
     method = ctx.get_start_method() if hasattr(ctx, "get_start_method") else "?"
+    finish_readings()  # no thread of ours alive at the fork, as in torch
     try:
         with _gc_pause_lock:
             # A forked child inherits the pause and ends it once it has frozen

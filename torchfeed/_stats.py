@@ -32,11 +32,13 @@ seconds spent starting the workers this epoch; when that is most of an epoch
 the loop waited on (spawn, or forkserver, without persistent workers), the
 verdict and the log line say so and suggest ``persistent_workers=True``.  It
 also shows each worker's private memory (USS) and its growth since the worker
-started, read when asked while the workers live, every ``MEMORY_CHECK_EVERY``
-seconds of iteration (for the copy-on-read warning), and just before the
-workers stop unless the last reading is under ``LAST_LOOK_AFTER`` old (a
-reading costs tens of ms, which short epochs without persistent workers
-must not pay each time).
+started.  A worker reads its own after its first batch; the main process reads
+them when ``stats()`` is called while the workers live, and every
+``MEMORY_CHECK_EVERY`` seconds of iteration (for the copy-on-read warning) in a
+background ``MemoryReading``, whose figures the next batch takes up.  Nothing
+reads them on the training thread unasked: not the log line, and not the
+shutdown, which only waits for a reading already running.  An epoch without
+persistent workers so keeps its latest reading.
 """
 from __future__ import annotations
 
@@ -69,11 +71,11 @@ class IteratorStats:
                  "start", "end", "wait", "yielded", "next_log", "worker_batches",
                  "worker_busy", "epoch", "_pin_base", "_live", "_window", "persistent",
                  "_begun", "_start_mono", "_starts", "_uss_start", "_next_memory_check",
-                 "_memory_read_at",
+                 "_reading",
                  "__weakref__")
     end: float | None
     _next_memory_check: float
-    _memory_read_at: float  # perf_counter() of the last USS reading, or the epoch's start
+    _reading: _worker_costs.MemoryReading | None  # the periodic check's, while it runs
     _starts: dict[int, tuple[float, float]]  # worker -> (launched, ready), monotonic()
     _uss_start: dict[int, int | None]
 
@@ -86,6 +88,7 @@ class IteratorStats:
         self.persistent = bool(loader.persistent_workers)
         self._live = _idle_live(self.num_workers)
         self._uss_start = {}  # kept across a persistent iterator's epochs
+        self._reading = None
         # The iterator is still being built: nothing of it is live to read yet.
         self._zero(epoch, pin_base=0.0)
         self._start_clock(None)
@@ -98,9 +101,11 @@ class IteratorStats:
         if self.yielded == self.next_log:
             self.next_log += self.log_every or 0  # never None here: next_log stays 0 without it
             self._log(now)
+        if self._reading is not None and self._reading.done:
+            self._take_reading()
         if now >= self._next_memory_check:
             self._next_memory_check = now + _worker_costs.MEMORY_CHECK_EVERY
-            self._check_memory()
+            self._start_reading()
 
     def on_result(self, worker_id: int, seconds: float) -> None:
         self.worker_batches[worker_id] += 1
@@ -112,6 +117,8 @@ class IteratorStats:
         if launched >= self._begun:  # a persistent worker's start belongs to its first epoch
             self._starts[worker_id] = (launched, ready)
         self._uss_start[worker_id] = uss or None  # a new process: a new baseline
+        if uss and worker_id < len(self._live["uss"]):
+            self._live["uss"][worker_id] = uss  # its first reading, until a later one
 
     def finish(self, t0: float) -> None:
         """The epoch ended: stop the clock (once), keep the last live values."""
@@ -165,7 +172,6 @@ class IteratorStats:
         self._window = (self.start, 0.0, 0)
         self._next_memory_check = (self.start + _worker_costs.MEMORY_CHECK_EVERY if self.num_workers
                                    else float("inf"))
-        self._memory_read_at = self.start
 
     def _iterator_gone(self, _ref) -> None:
         if self.end is None:
@@ -197,38 +203,40 @@ class IteratorStats:
 
     def _read_memory(self) -> list:
         """Each live worker's private memory (USS) now, in bytes, or None."""
-        self._memory_read_at = perf_counter()
-        out = (_worker_costs.private_bytes(self._live["pids"])
-               + [None] * self.num_workers)[:self.num_workers]
+        return self._keep_memory(_worker_costs.private_bytes(self._live["pids"]))
+
+    def _keep_memory(self, read: list) -> list:
+        out = (read + [None] * self.num_workers)[:self.num_workers]
         # A worker that has exited keeps its last reading.
         self._live["uss"] = [now if now is not None else last
                              for now, last in zip(out, self._live["uss"])]
         return self._live["uss"]
 
-    def last_look(self) -> None:
-        """The workers are about to stop: keep their memory figures for stats()."""
-        # Reading USS parses each worker's smaps (tens of ms for freshly
-        # started workers), so an epoch that ended within LAST_LOOK_AFTER of
-        # the last reading keeps that reading: short create-iterate-delete
-        # cycles must not pay it every time.
-        if self.num_workers and perf_counter() - self._memory_read_at >= _worker_costs.LAST_LOOK_AFTER:
-            try:
-                self._read_memory()
-            except Exception:  # statistics must never break the shutdown
-                pass
-
-    def _growth(self, worker_id: int, uss):
-        start = self._uss_start.get(worker_id)
-        if uss is None or start is None:
-            return None
-        return uss - start
-
-    def _check_memory(self) -> None:
-        if _worker_costs.growth_warned():
+    def _start_reading(self) -> None:
+        if self._reading is not None or _worker_costs.growth_warned():
             return
         try:
+            self._read_live()  # the pids, should a worker have been replaced
+            self._reading = _worker_costs.MemoryReading(self._live["pids"])
+        except Exception:  # statistics must never break the training loop
+            logger.debug("torchfeed: could not start reading workers' memory", exc_info=True)
+
+    def settle(self) -> None:
+        """The workers are about to stop: take up a reading still running, so
+        that its figures and its warning are not lost (a fork must not find
+        its thread alive either).  Starts none: a reading costs tens of ms per
+        worker, which short epochs without persistent workers must not pay."""
+        if self._reading is not None:
+            self._reading.wait()
+            self._take_reading()
+
+    def _take_reading(self) -> None:
+        reading, self._reading = self._reading, None
+        if reading is None:
+            return
+        try:
+            uss = self._keep_memory(reading.uss or [])
             self._read_live()
-            uss = self._read_memory()
             # Slot pages that only the worker maps count in its USS: they are
             # batches in shared memory (a huge slot's), not copy-on-read.
             held = self._live["shm"].get("worker_bytes") or []
@@ -238,14 +246,21 @@ class IteratorStats:
         except Exception:  # statistics must never break the training loop
             logger.debug("torchfeed: could not read workers' memory", exc_info=True)
 
-    def snapshot(self) -> LoaderStats:
+    def _growth(self, worker_id: int, uss):
+        start = self._uss_start.get(worker_id)
+        if uss is None or start is None:
+            return None
+        return uss - start
+
+    def snapshot(self, read_memory: bool = True) -> LoaderStats:
+        """The figures now; ``read_memory=False`` keeps the workers' last USS
+        reading instead of taking a new one (tens of ms per worker)."""
         it = self._iterator()
-        # Workers' memory first (a few /proc reads), then the queues and slots,
-        # so those are read as close to the return as they can be.
-        # Read while the workers are there: during an epoch, and between the
-        # epochs of persistent workers.
+        # Workers' memory first, then the queues and slots, so those are read
+        # as close to the return as they can be.  Read while the workers are
+        # there: during an epoch, and between the epochs of persistent workers.
         workers_alive = it is not None and not it.shut_down
-        uss = (self._read_memory() if self.num_workers and workers_alive
+        uss = (self._read_memory() if read_memory and self.num_workers and workers_alive
                else list(self._live.get("uss") or []))
         live = self._read_live() if self.end is None else self._live
         now = self.end if self.end is not None else perf_counter()
@@ -289,7 +304,7 @@ class IteratorStats:
     def _log(self, now: float) -> None:
         try:
             make_visible()
-            s = self.snapshot()
+            s = self.snapshot(read_memory=False)  # the line shows no memory
             t_prev, wait_prev, n_prev = self._window
             self._window = (now, self.wait, self.yielded)
             log_line(s, self.yielded - n_prev, self.wait - wait_prev, max(now - t_prev, 1e-9))

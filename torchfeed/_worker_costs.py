@@ -10,10 +10,19 @@ epoch, and logs the copy-on-read warning: a worker whose USS grew by more than
 Python objects page by page as it reads them (pytorch issue 13246).  The
 growth is checked every ``MEMORY_CHECK_EVERY`` seconds of iteration, and the
 warning is logged once per process.
+
+Reading a worker's USS makes the kernel walk every page the worker maps,
+inherited ones included: about 11 ms for a worker of a process that imported
+torch, and hundreds of ms under a parent holding a large Python heap, per
+worker.  So the periodic check reads in a ``MemoryReading`` thread, never on
+the training thread; the kernel's walk runs without the GIL.  That thread is
+joined before a worker is forked (``finish_readings``), so that a fork never
+happens with a thread of ours alive, as in torch.
 """
 from __future__ import annotations
 
 import logging
+import threading
 
 import psutil
 
@@ -21,7 +30,6 @@ logger = logging.getLogger("torchfeed")
 
 USS_GROWTH_WARN = 256 * 2**20  # a worker's private memory grown this much since its start
 MEMORY_CHECK_EVERY = 10.0      # seconds of iteration between checks of workers' memory
-LAST_LOOK_AFTER = 1.0          # seconds since the last reading before a shutdown reads again
 
 _warned = False
 
@@ -35,6 +43,48 @@ def private_bytes(pids) -> list:
         except (psutil.Error, OSError, AttributeError):
             out.append(None)
     return out
+
+
+class MemoryReading:
+    """One reading of some processes' USS (``private_bytes``) in a thread of its own."""
+
+    __slots__ = ("uss", "_thread")
+
+    def __init__(self, pids) -> None:
+        self.uss: list | None = None
+        self._thread = threading.Thread(target=self._read, args=(list(pids),),
+                                        name="torchfeed-memory", daemon=True)
+        with _readings_lock:
+            _readings.add(self._thread)
+        self._thread.start()
+
+    def _read(self, pids) -> None:
+        try:
+            self.uss = private_bytes(pids)
+        finally:
+            with _readings_lock:
+                _readings.discard(threading.current_thread())
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> list | None:
+        """The figures, once read: one per pid, None where unreadable."""
+        self._thread.join()
+        return self.uss
+
+
+_readings: set[threading.Thread] = set()
+_readings_lock = threading.Lock()
+
+
+def finish_readings() -> None:
+    """Wait for every reading still running: called just before a worker is forked."""
+    with _readings_lock:
+        running = list(_readings)
+    for thread in running:
+        thread.join()
 
 
 def start_span(starts: dict, launched: list, begun: float, now: float, num_workers: int):

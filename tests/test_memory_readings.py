@@ -1,0 +1,135 @@
+"""When and where the main process reads its workers' private memory (USS).
+
+A reading makes the kernel walk every page a worker maps: about 11 ms per
+worker of a process that imported torch, hundreds of ms under a large Python
+heap.  So the training thread never pays it unasked: the periodic check reads
+in a thread of its own, the log line and the shutdown read nothing, and a fork
+never finds that thread alive.  The readings here are the real ones, made slow
+by a sleep in front, so that one on the wrong thread, or one still running at
+a fork, cannot go unnoticed.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import torchfeed
+import torchfeed._worker_costs as costs
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+SLOW = 0.3  # seconds added to each reading
+
+
+class Numbers(torch.utils.data.Dataset):
+    def __init__(self, n, seconds=0.0):
+        self.n, self.seconds = n, seconds
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.seconds)
+        return i
+
+
+@pytest.fixture
+def readings(monkeypatch):
+    """Every reading of workers' memory, as (on the main thread?, figures), each SLOW late."""
+    calls = []
+    read = costs.private_bytes
+
+    def slow_read(pids):
+        on_main = threading.current_thread() is threading.main_thread()
+        time.sleep(SLOW)
+        out = read(pids)
+        calls.append((on_main, out))
+        return out
+
+    monkeypatch.setattr(costs, "private_bytes", slow_read)
+    monkeypatch.setattr(costs, "_warned", False)
+    return calls
+
+
+@pytest.mark.timeout(60)
+def test_the_periodic_check_and_the_log_line_read_nothing_on_the_training_thread(
+        monkeypatch, readings):
+    monkeypatch.setattr(costs, "MEMORY_CHECK_EVERY", 0.0)  # a check at every batch
+    loader = torchfeed.DataLoader(Numbers(40, 0.02), batch_size=1, num_workers=2,
+                                  log_every=1, multiprocessing_context="fork")
+    assert [b.item() for b in loader] == list(range(40))
+    # 40 batches from 2 workers at 20 ms each take 0.4 s or more: readings ran
+    # while they were made, and the last one was taken up at the shutdown.
+    assert readings, "the periodic check read nothing"
+    assert not [c for c in readings if c[0]], "a reading ran on the training thread"
+    shown = [w["uss_bytes"] for w in loader.stats()["workers"]]
+    assert shown == readings[-1][1], (shown, readings)
+    assert all(isinstance(u, int) and u > 0 for u in shown), shown
+
+
+@pytest.mark.timeout(60)
+def test_a_short_epoch_shows_each_workers_own_reading_and_pays_for_none(readings):
+    loader = torchfeed.DataLoader(Numbers(8), batch_size=2, num_workers=2,
+                                  multiprocessing_context="fork")
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert readings == [], "the shutdown read the workers' memory"
+    workers = loader.stats()["workers"]
+    # Each worker read its own after its first batch and sent it with its second.
+    assert all(isinstance(w["uss_bytes"], int) and w["uss_bytes"] > 0 for w in workers), workers
+    assert all(w["uss_growth_bytes"] == 0 for w in workers), workers
+
+
+@pytest.mark.timeout(60)
+def test_stats_read_memory_when_asked(readings):
+    loader = torchfeed.DataLoader(Numbers(8), batch_size=1, num_workers=1,
+                                  persistent_workers=True, multiprocessing_context="fork")
+    list(loader)
+    s = loader.stats()  # the worker lives: a fresh reading, on the caller's thread
+    assert [on_main for on_main, _ in readings] == [True]
+    assert s["workers"][0]["uss_bytes"] == readings[0][1][0]
+
+
+FORK_CHECK = """
+import os, sys, threading, time
+import torch, torchfeed, torchfeed._worker_costs as costs
+alive = []
+os.register_at_fork(before=lambda: alive.append(
+    sorted(t.name for t in threading.enumerate() if t.name == "torchfeed-memory")))
+read = costs.private_bytes
+def slow_read(pids):
+    time.sleep(0.3)
+    return read(pids)
+costs.private_bytes = slow_read
+costs.MEMORY_CHECK_EVERY = 0.0
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self): return 6
+    def __getitem__(self, i): return i
+training = torchfeed.DataLoader(Numbers(), num_workers=1, persistent_workers=True,
+                                multiprocessing_context="fork")
+it = iter(training)
+next(it)
+next(it)  # a reading starts here and runs for 0.3 s
+started = len(alive)
+validation = torchfeed.DataLoader(Numbers(), num_workers=1, multiprocessing_context="fork")
+assert list(validation) == [torch.tensor([i]) for i in range(6)]
+assert len(alive) > started, alive
+print("threads at the forks:", alive[started:])
+assert not any(alive[started:]), alive
+list(it)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_no_reading_thread_is_alive_when_a_worker_is_forked():
+    # In a process of its own: a fork hook cannot be taken back.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", FORK_CHECK], env=env, capture_output=True,
+                         text=True, timeout=50)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "threads at the forks: [[]" in out.stdout, out.stdout
