@@ -15,6 +15,12 @@ alternate between the two variants; the figure is the median over runs of
 the per-call difference.  It also reports the same comparison with the
 loader's real fetch of an in-memory list, for scale.
 
+Last, what the periodic log line costs a 2-worker loader of small batches:
+``log_every=100`` against no log line, batches/s of whole epochs with
+persistent workers, alternated; the figure is the median of the per-pair
+ratios.  The line is built from counters only: it reads no worker's memory,
+which walks the worker's page tables.
+
 Time is this thread's CPU time by default, so a busy shared machine that
 deschedules the process does not inflate the figure; ``--clock wall`` uses
 ``perf_counter`` instead.
@@ -22,6 +28,7 @@ deschedules the process does not inflate the figure; ``--clock wall`` uses
     python benchmarks/stats_overhead.py --runs 31 --calls 200000
 """
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -90,6 +97,32 @@ def _on_result_cost(calls: int, runs: int) -> float:
     return statistics.median(diffs)
 
 
+class _Numbers:
+    def __len__(self):
+        return 64 * 2000
+
+    def __getitem__(self, i):
+        return i
+
+
+def _log_line_ratio(runs: int, every: int = 100) -> float:
+    """Median over runs of (batches/s with ``log_every=every``) / (without)."""
+    logging.getLogger("torchfeed").addHandler(logging.NullHandler())  # lines go nowhere
+    loaders = {k: DataLoader(_Numbers(), batch_size=64, num_workers=2, persistent_workers=True,
+                             log_every=k) for k in (None, every)}
+    for loader in loaders.values():
+        list(loader)  # workers started, first epoch out of the measurement
+    ratios = []
+    for run in range(runs):
+        rate = {}
+        for k in ((None, every) if run % 2 else (every, None)):
+            start = time.perf_counter()
+            n = sum(1 for _ in loaders[k])
+            rate[k] = n / (time.perf_counter() - start)
+        ratios.append(rate[every] / rate[None])
+    return statistics.median(ratios)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=31, help="runs per variant (default 31)")
@@ -97,6 +130,8 @@ def main(argv=None) -> None:
                         help="__next__ calls per run (default 200000)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="thread CPU time (default) or perf_counter wall time")
+    parser.add_argument("--log-runs", type=int, default=7,
+                        help="pairs of epochs for the log line's cost (default 7; 0 skips it)")
     args = parser.parse_args(argv)
     global clock
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
@@ -123,6 +158,10 @@ def main(argv=None) -> None:
     h, p, d = _compare(real_iterator, args.calls // 4, args.runs)
     print(f"for scale, real fetch of an int (num_workers=0): hooked {1e9 * h:.0f} ns, "
           f"unhooked {1e9 * p:.0f} ns per batch")
+    if args.log_runs:
+        ratio = _log_line_ratio(args.log_runs)
+        print(f"log_every=100, 2 workers, 2000 batches of 64 ints: {ratio:.2f}x the rate "
+              f"without a log line (median of {args.log_runs} pairs of epochs)")
 
 
 if __name__ == "__main__":
