@@ -80,6 +80,11 @@ class DirectCollate:
         self.direct[id(out)] = (out, off)
         return out
 
+    def _reserve(self, shape, dtype):
+        """``_view`` for the streaming (``_stream.plan``): the view, its slot and offset."""
+        out = self._view(shape, dtype)
+        return None if out is None else (out, self.slot, self.direct[id(out)][1])
+
     def _size_first_batch(self, samples: SampleStream) -> SampleStream:
         """The worker's first batch, whose size no batch has told yet. A huge
         one (its big arrays over ``_slots.WARM_BYTES``) gets a slot sized
@@ -128,7 +133,7 @@ class DirectCollate:
             samples = self._size_first_batch(samples)
         if type(samples) is SampleStream:
             if self.slot is not None:
-                samples, self.streamed = stream_samples(samples, self._view)
+                samples, self.streamed = stream_samples(samples, self._reserve)
                 if not self.streamed:  # nothing streamed: no sample points into the slot
                     self.reset(self.slot)
             else:

@@ -296,7 +296,7 @@ def dump(batch, start: int = 0, direct=None, copy_direct=False) -> LeafPickler:
 
 def copy_leaves(leaves, slot) -> None:
     """Write every ``(array, offset)`` leaf into ``slot`` (a ``_slots.WorkerSlot``)."""
-    arr = slot.arr
+    arr, write = slot.arr, slot.write
     for src, off in leaves:
         if type(src) is _Span:
             src = src.bytes().numpy()
@@ -312,9 +312,9 @@ def copy_leaves(leaves, slot) -> None:
                 continue
             src = src.numpy()  # numpy's calls cost a fraction of torch's for small leaves
         if src.flags.c_contiguous:
-            arr[off:off + n] = src.reshape(-1).view(np.uint8)
+            write(off, src.reshape(-1).view(np.uint8))
         elif src.flags.f_contiguous:  # written in Fortran order, as its descriptor says
-            arr[off:off + n] = src.T.reshape(-1).view(np.uint8)
+            write(off, src.T.reshape(-1).view(np.uint8))
         else:
             np.copyto(arr[off:off + n].view(src.dtype).reshape(src.shape), src, casting="no")
 

@@ -78,6 +78,9 @@ class _BufferSlot:
     def typed(self, dtype):
         return self._u8.view(dtype)
 
+    def write(self, off: int, data) -> None:
+        self.arr[off:off + data.nbytes] = data
+
 
 class Packer:
     """Worker side: writes batches into this worker's slots."""

@@ -35,8 +35,10 @@ there is several times faster than into fresh ones. The reuse rule
 most ``WARM_BYTES`` (64 MiB) of its pages. When the batch of a bigger slot is
 released, the main process gives back the pages past that and marks the slot
 ``COLD``; the worker gives it pages again (``refill``) when it next takes it,
-and drops its own mapping of those pages once it has written a batch
-(``WorkerPool.let_go_of_tail``), unless the main process keeps them
+writes a batch's bytes past the warm part through the arena's file
+(``WorkerSlot.write``: ``pwrite``, no page fault), as it does for a new huge
+slot's, and drops its own mapping of those pages once it has written a
+batch (``WorkerPool.let_go_of_tail``), unless the main process keeps them
 (``keeps_pages``).
 The slot keeps its index, region and mappings, so the number of slots stays
 what the batches alive at once need (``prefetch_factor + 1`` per worker
@@ -51,7 +53,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ._arena import CTRL_BYTES, FIRST_REGION, REGION_ALIGN, SharedMap, drop_pages, punch_hole, refill
+from ._arena import CTRL_BYTES, FIRST_REGION, REGION_ALIGN, SharedMap, drop_pages, punch_hole, refill, write_at
 
 KEEPS_PAGES_AT = 0  # a byte of the header, written by the main process only
 STATES_AT = 64
@@ -130,14 +132,32 @@ def _round_up(n: int, to: int) -> int:
 class WorkerSlot:
     """A slot as the worker sees it: its region mapped read-write."""
 
-    __slots__ = ("idx", "uid", "off", "cap", "arr", "u8", "last_used", "oversized", "_typed")
+    __slots__ = ("idx", "uid", "off", "cap", "arr", "u8", "last_used", "oversized", "_typed",
+                 "fd", "file_from")
 
-    def __init__(self, idx, uid, off, cap, arr):
-        self.idx, self.uid, self.off, self.cap, self.arr = idx, uid, off, cap, arr
+    def __init__(self, idx, uid, off, cap, arr, fd):
+        self.idx, self.uid, self.off, self.cap, self.arr, self.fd = idx, uid, off, cap, arr, fd
         self.u8 = torch.from_numpy(arr)
         self.last_used = 0
         self.oversized = 0  # batches in a row far smaller than the slot
         self._typed = {}
+        self.file_from = cap  # set by ``WorkerPool.acquire`` for each batch
+
+    def write(self, off: int, data) -> None:
+        """Write ``data`` (a C-contiguous numpy array of bytes) at byte ``off``.
+
+        Bytes before ``file_from`` go through this process's mapping, whose
+        pages are there from the slot's earlier batches. Bytes past it, in a
+        huge slot, land in pages the worker does not map (its part of the
+        slot that goes ``COLD``, or a new slot's): ``pwrite`` puts them in
+        the arena with no page fault, where writing through the mapping
+        faults every page in first (``benchmarks/transport_memory.py``)."""
+        n = data.nbytes
+        cut = min(n, max(0, self.file_from - off))
+        if cut:
+            self.arr[off:off + cut] = data[:cut]
+        if cut < n:
+            write_at(self.fd, data[cut:], self.off + off + cut)
 
     def typed(self, dtype):
         """The whole slot as a 1-D tensor of ``dtype`` (cached)."""
@@ -233,8 +253,18 @@ class WorkerPool:
                 self.retire(best)
                 return None, NoSlot("oserror", best.cap, self.bytes, nbytes, str(e))
         best.last_used = self.tick
+        best.file_from = self._file_from(best.cap)
         states[best.idx] = FILLING
         return best, None
+
+    def _file_from(self, cap: int) -> int:
+        """Where ``WorkerSlot.write`` starts writing through the file: past the
+        pages a huge slot keeps for reuse, which are the ones this worker maps
+        between batches (``let_go_of_tail``); nowhere in a slot that keeps
+        all its pages."""
+        if cap <= WARM_BYTES or self.ctrl.keeps_pages:
+            return cap
+        return warm_bytes(cap)
 
     def _create(self, nbytes: int):
         headroom = nbytes // 16 if self.sizes_vary else 0
@@ -256,7 +286,7 @@ class WorkerPool:
             return None, NoSlot("oserror", cap, self.bytes + cap, nbytes, str(e))
         idx = self.free_idx.pop()
         self.uid += 1
-        slot = WorkerSlot(idx, self.uid, off, cap, arr)
+        slot = WorkerSlot(idx, self.uid, off, cap, arr, self.fd)
         self.slots[idx] = slot
         self.bytes += cap
         c = self.counters

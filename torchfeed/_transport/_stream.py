@@ -78,15 +78,22 @@ class _Mismatch(Exception):
 class _Leaf:
     """One big array of the sample: its output in the slot and that output's rows."""
 
-    __slots__ = ("is_numpy", "shape", "dtype", "out", "rows", "np_rows")
+    __slots__ = ("is_numpy", "shape", "dtype", "out", "rows", "np_rows", "slot", "at",
+                 "row_bytes", "file_row")
 
-    def __init__(self, x, out):
+    def __init__(self, x, out, slot, at: int):
         self.is_numpy = type(x) is np.ndarray
         self.shape = x.shape
         self.dtype = x.dtype
         self.out = out
         self.rows = out.unbind(0)
         self.np_rows = out.numpy() if self.is_numpy else None
+        # Rows from ``file_row`` on reach past the slot's ``file_from``: they
+        # are written with ``slot.write``, through the file, instead of
+        # through this process's mapping (``_slots.WorkerSlot.write``).
+        self.slot, self.at, self.row_bytes = slot, at, x.nbytes
+        self.file_row = (len(self.rows) if slot is None or not x.nbytes
+                         else max(0, (slot.file_from - at) // x.nbytes))
 
     def put(self, x, i: int):
         """Copy ``x`` into row ``i``; the row takes its place in the sample."""
@@ -94,12 +101,20 @@ class _Leaf:
             if (type(x) is not np.ndarray or x.dtype != self.dtype or x.shape != self.shape
                     or _negative_strides(x)):
                 raise _Mismatch
-            np.copyto(self.np_rows[i], x, casting="no")
+            if i >= self.file_row and x.flags.c_contiguous:
+                self.slot.write(self.at + i * self.row_bytes, x.reshape(-1).view(np.uint8))
+            else:
+                np.copyto(self.np_rows[i], x, casting="no")
         else:
             if (type(x) is not torch.Tensor or x.dtype != self.dtype or x.shape != self.shape
                     or not _slot_tensor(x)):
                 raise _Mismatch
-            self.rows[i].copy_(x)
+            if (i >= self.file_row and x.is_contiguous() and not x.is_conj()
+                    and not x.is_neg()):
+                self.slot.write(self.at + i * self.row_bytes,
+                                x.reshape(-1).view(torch.uint8).numpy())
+            else:
+                self.rows[i].copy_(x)
         return self.rows[i]
 
     def give_back(self, row):
@@ -150,13 +165,14 @@ def streamable_bytes(x, n: int) -> int:
 def plan(x, n: int, reserve):
     """The layout of ``x``, the first of ``n`` samples: a ``_Leaf``, or
     ``(type, [(key, node), ...])``, or None when nothing in ``x`` is worth
-    streaming. ``reserve(shape, dtype)`` returns the ``(n, *shape)`` output,
-    or None when the slot is full."""
+    streaming. ``reserve(shape, dtype)`` returns the ``(n, *shape)`` output
+    with the slot it is in and its byte offset there, or None when the slot
+    is full."""
     tp = type(x)
     if tp is torch.Tensor or tp is np.ndarray:
         dtype = _output_dtype(x, n)
-        out = None if dtype is None else reserve((n, *x.shape), dtype)
-        return None if out is None else _Leaf(x, out)
+        got = None if dtype is None else reserve((n, *x.shape), dtype)
+        return None if got is None else _Leaf(x, *got)
     items = _children(x)
     if items is None:
         return None
@@ -198,8 +214,8 @@ def _leaves(node):
 
 def stream_samples(samples, reserve):
     """Fetch ``samples`` (a ``SampleStream``) one by one, streaming their big
-    arrays into the slot. ``reserve(shape, dtype)`` returns a view of the
-    slot, or None when it is full. Returns the samples, to collate, and
+    arrays into the slot. ``reserve(shape, dtype)`` returns ``(view, slot,
+    offset)``, or None when the slot is full (see ``plan``). Returns the samples, to collate, and
     ``{id(first row): leaf}`` for every output whose rows are all in place."""
     n = len(samples)
     it = iter(samples)
