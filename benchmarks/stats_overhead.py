@@ -19,7 +19,13 @@ Last, what the periodic log line costs a 2-worker loader of small batches:
 ``log_every=100`` against no log line, batches/s of whole epochs with
 persistent workers, alternated; the figure is the median of the per-pair
 ratios.  The line is built from counters only: it reads no worker's memory,
-which walks the worker's page tables.
+which walks the worker's page tables.  What one such reading costs is
+printed too: wall time of ``private_bytes`` for one forked worker, median of
+``--log-runs`` readings, with the parent holding nothing of its own, then
+holding ``--heap-records`` annotation-like dicts (1,000,000 by default, about
+300 MiB of Python objects, which its workers inherit).  That is what the
+periodic check spends every 10 s, in a background thread
+(``_worker_costs.MemoryReading``).
 
 Time is this thread's CPU time by default, so a busy shared machine that
 deschedules the process does not inflate the figure; ``--clock wall`` uses
@@ -123,6 +129,24 @@ def _log_line_ratio(runs: int, every: int = 100) -> float:
     return statistics.median(ratios)
 
 
+def _reading_cost(runs: int) -> float:
+    """Median seconds of one USS reading of one forked worker (``private_bytes``)."""
+    from torchfeed import _worker_costs
+
+    loader = DataLoader(_Numbers(), batch_size=64, num_workers=1, persistent_workers=True,
+                        multiprocessing_context="fork")
+    it = iter(loader)
+    next(it)
+    pids = [w.pid for w in it._workers]
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        _worker_costs.private_bytes(pids)
+        times.append(time.perf_counter() - start)
+    del it, loader
+    return statistics.median(times)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=31, help="runs per variant (default 31)")
@@ -131,7 +155,10 @@ def main(argv=None) -> None:
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="thread CPU time (default) or perf_counter wall time")
     parser.add_argument("--log-runs", type=int, default=7,
-                        help="pairs of epochs for the log line's cost (default 7; 0 skips it)")
+                        help="pairs of epochs for the log line's cost, and readings of a "
+                             "worker's memory (default 7; 0 skips both)")
+    parser.add_argument("--heap-records", type=int, default=1_000_000,
+                        help="dicts the parent holds for the second reading (default 1000000)")
     args = parser.parse_args(argv)
     global clock
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
@@ -162,6 +189,12 @@ def main(argv=None) -> None:
         ratio = _log_line_ratio(args.log_runs)
         print(f"log_every=100, 2 workers, 2000 batches of 64 ints: {ratio:.2f}x the rate "
               f"without a log line (median of {args.log_runs} pairs of epochs)")
+        bare = _reading_cost(args.log_runs)
+        heap = [{"id": i, "bbox": [1.0, 2.0, 3.0, 4.0], "label": "x"}
+                for i in range(args.heap_records)]
+        held = _reading_cost(args.log_runs)
+        print(f"one reading of a worker's private memory: {1e3 * bare:.1f} ms; "
+              f"{1e3 * held:.1f} ms with {len(heap):,} dicts in the parent")
 
 
 if __name__ == "__main__":
