@@ -1,8 +1,8 @@
 """When and where the main process reads its workers' private memory (USS).
 
-A reading makes the kernel walk every page a worker maps: about 11 ms per
-worker of a process that imported torch, hundreds of ms under a large Python
-heap.  So the training thread never pays it unasked: the periodic check reads
+A reading makes the kernel walk every page a worker maps, inherited ones
+included, so its cost grows with the parent's heap
+(``benchmarks/stats_overhead.py``).  So the training thread never pays it unasked: the periodic check reads
 in a thread of its own, the log line and the shutdown read nothing, and a fork
 never finds that thread alive.  The readings here are the real ones, made slow
 by a sleep in front, so that one on the wrong thread, or one still running at

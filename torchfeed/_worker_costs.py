@@ -12,10 +12,11 @@ growth is checked every ``MEMORY_CHECK_EVERY`` seconds of iteration, and the
 warning is logged once per process.
 
 Reading a worker's USS makes the kernel walk every page the worker maps,
-inherited ones included: about 11 ms for a worker of a process that imported
-torch, and hundreds of ms under a parent holding a large Python heap, per
-worker.  So the periodic check reads in a ``MemoryReading`` thread, never on
-the training thread; the kernel's walk runs without the GIL.  That thread is
+inherited ones included: 11 ms for a worker of a process that imported
+torch, 26 ms once the parent holds a million small dicts, and more as the
+parent's heap grows (``benchmarks/stats_overhead.py``), per worker.  So the
+periodic check reads in a ``MemoryReading`` thread, never on the training
+thread; the kernel's walk runs without the GIL.  That thread is
 joined before a worker is forked (``finish_readings``), so that a fork never
 happens with a thread of ours alive, as in torch.
 """
