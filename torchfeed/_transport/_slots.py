@@ -258,13 +258,12 @@ class WorkerPool:
         return best, None
 
     def _file_from(self, cap: int) -> int:
-        """Where ``WorkerSlot.write`` starts writing through the file: past the
-        pages a huge slot keeps for reuse, which are the ones this worker maps
-        between batches (``let_go_of_tail``); nowhere in a slot that keeps
-        all its pages."""
-        if cap <= WARM_BYTES or self.ctrl.keeps_pages:
-            return cap
-        return warm_bytes(cap)
+        """Where this worker's part of a slot of ``cap`` bytes ends: the pages it
+        keeps mapped between batches, those a free slot keeps for reuse
+        (``warm_bytes``), or all of them in a slot that keeps its pages
+        (``keeps_pages``). ``WorkerSlot.write`` writes past it through the
+        file; ``let_go_of_tail`` drops the worker's mapping past it."""
+        return cap if self.ctrl.keeps_pages else warm_bytes(cap)
 
     def _create(self, nbytes: int):
         headroom = nbytes // 16 if self.sizes_vary else 0
@@ -334,9 +333,9 @@ class WorkerPool:
         torch's worker likewise unmaps a batch once sent. Without this the
         main process's ``MADV_REMOVE`` tears these entries down, in the
         consumer's thread. Page-locked slots keep every page (``keeps_pages``)."""
-        warm = warm_bytes(slot.cap)
-        if warm < slot.cap and not self.ctrl.keeps_pages:
-            drop_pages(slot.arr.ctypes.data + warm, slot.cap - warm)
+        kept = self._file_from(slot.cap)
+        if kept < slot.cap:
+            drop_pages(slot.arr.ctypes.data + kept, slot.cap - kept)
 
     def close(self) -> None:
         for s in self.slots.values():

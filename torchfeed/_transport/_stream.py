@@ -92,8 +92,7 @@ class _Leaf:
         # are written with ``slot.write``, through the file, instead of
         # through this process's mapping (``_slots.WorkerSlot.write``).
         self.slot, self.at, self.row_bytes = slot, at, x.nbytes
-        self.file_row = (len(self.rows) if slot is None or not x.nbytes
-                         else max(0, (slot.file_from - at) // x.nbytes))
+        self.file_row = max(0, (slot.file_from - at) // x.nbytes)
 
     def put(self, x, i: int):
         """Copy ``x`` into row ``i``; the row takes its place in the sample."""
