@@ -17,7 +17,7 @@ import threading
 import time
 
 import pytest
-import torch
+from sample_datasets import SleepDataset
 
 import torchfeed
 import torchfeed._worker_costs as costs
@@ -25,18 +25,6 @@ import torchfeed._worker_costs as costs
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 SLOW = 0.3  # seconds added to each reading
-
-
-class Numbers(torch.utils.data.Dataset):
-    def __init__(self, n, seconds=0.0):
-        self.n, self.seconds = n, seconds
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        time.sleep(self.seconds)
-        return i
 
 
 @pytest.fixture
@@ -61,7 +49,7 @@ def readings(monkeypatch):
 def test_the_periodic_check_and_the_log_line_read_nothing_on_the_training_thread(
         monkeypatch, readings):
     monkeypatch.setattr(costs, "MEMORY_CHECK_EVERY", 0.0)  # a check at every batch
-    loader = torchfeed.DataLoader(Numbers(40, 0.02), batch_size=1, num_workers=2,
+    loader = torchfeed.DataLoader(SleepDataset(40, 0.02), batch_size=1, num_workers=2,
                                   log_every=1, multiprocessing_context="fork")
     assert [b.item() for b in loader] == list(range(40))
     # 40 batches from 2 workers at 20 ms each take 0.4 s or more: readings ran
@@ -75,7 +63,7 @@ def test_the_periodic_check_and_the_log_line_read_nothing_on_the_training_thread
 
 @pytest.mark.timeout(60)
 def test_a_short_epoch_shows_each_workers_own_reading_and_pays_for_none(readings):
-    loader = torchfeed.DataLoader(Numbers(8), batch_size=2, num_workers=2,
+    loader = torchfeed.DataLoader(SleepDataset(8, 0.0), batch_size=2, num_workers=2,
                                   multiprocessing_context="fork")
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert readings == [], "the shutdown read the workers' memory"
@@ -87,7 +75,7 @@ def test_a_short_epoch_shows_each_workers_own_reading_and_pays_for_none(readings
 
 @pytest.mark.timeout(60)
 def test_stats_read_memory_when_asked(readings):
-    loader = torchfeed.DataLoader(Numbers(8), batch_size=1, num_workers=1,
+    loader = torchfeed.DataLoader(SleepDataset(8, 0.0), batch_size=1, num_workers=1,
                                   persistent_workers=True, multiprocessing_context="fork")
     list(loader)
     s = loader.stats()  # the worker lives: a fresh reading, on the caller's thread
@@ -107,16 +95,15 @@ def slow_read(pids):
     return read(pids)
 costs.private_bytes = slow_read
 costs.MEMORY_CHECK_EVERY = 0.0
-class Numbers(torch.utils.data.Dataset):
-    def __len__(self): return 6
-    def __getitem__(self, i): return i
-training = torchfeed.DataLoader(Numbers(), num_workers=1, persistent_workers=True,
+from sample_datasets import SleepDataset
+training = torchfeed.DataLoader(SleepDataset(6, 0.0), num_workers=1, persistent_workers=True,
                                 multiprocessing_context="fork")
 it = iter(training)
 next(it)
 next(it)  # a reading starts here and runs for 0.3 s
 started = len(alive)
-validation = torchfeed.DataLoader(Numbers(), num_workers=1, multiprocessing_context="fork")
+validation = torchfeed.DataLoader(SleepDataset(6, 0.0), num_workers=1,
+                                multiprocessing_context="fork")
 assert list(validation) == [torch.tensor([i]) for i in range(6)]
 assert len(alive) > started, alive
 print("threads at the forks:", alive[started:])
