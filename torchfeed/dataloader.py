@@ -12,7 +12,8 @@ loader rebuilt from its attributes keeps them too.
 """
 from __future__ import annotations
 
-from typing import TypeVar, cast
+import inspect
+from typing import Any, TypeVar, cast
 
 import torch.utils.data
 
@@ -36,6 +37,10 @@ from ._stats_report import LoaderStats
 from ._torch_compat import TAKES_IN_ORDER
 
 T_co = TypeVar("T_co", covariant=True)
+
+# ``in_order`` left out by the caller (torch's own default then applies, where the
+# installed release has the argument at all).
+_NOT_GIVEN: Any = object()
 
 
 class DataLoader(torch.utils.data.DataLoader[T_co]):
@@ -77,42 +82,30 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             stay on the CPU, as in torch.  See the README, "Feeding a GPU".
     """
 
-    if TAKES_IN_ORDER:  # torch 2.6 on: the constructor takes in_order
-        def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
-                     num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
-                     worker_init_fn=None, multiprocessing_context=None, generator=None, *,
-                     prefetch_factor=None, persistent_workers=False, pin_memory_device="",
-                     in_order=True, transport=None, seed_per_batch=False,
-                     snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0,
-                     device=None):
-            super().__init__(
-                dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
-                batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
-                pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
-                worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-                generator=generator, prefetch_factor=prefetch_factor,
-                persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
-                in_order=in_order)
-            self._set_options(dataset, transport, seed_per_batch, snapshot_every_n_steps,
-                              log_every, max_worker_restarts, device)
-    else:  # torch 2.4, 2.5: no in_order, so passing one is torch's TypeError
-        def __init__(  # type: ignore[misc]  # the two variants differ by in_order alone
-                self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
-                num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
-                worker_init_fn=None, multiprocessing_context=None, generator=None, *,
-                prefetch_factor=None, persistent_workers=False, pin_memory_device="",
-                transport=None, seed_per_batch=False,
-                snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0,
-                device=None):
-            super().__init__(
-                dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
-                batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
-                pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
-                worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-                generator=generator, prefetch_factor=prefetch_factor,
-                persistent_workers=persistent_workers, pin_memory_device=pin_memory_device)
-            self._set_options(dataset, transport, seed_per_batch, snapshot_every_n_steps,
-                              log_every, max_worker_restarts, device)
+    # One definition for every supported release.  ``in_order`` is forwarded to
+    # torch's constructor only when given, so before torch 2.6 passing it is
+    # torch's own TypeError, and from 2.6 torch's default applies.  The signature
+    # that ``inspect`` (and frameworks rebuilding the loader) sees is the
+    # installed torch's: ``_signature_like_torchs`` below drops or fills in
+    # ``in_order``.
+    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
+                 num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
+                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                 prefetch_factor=None, persistent_workers=False, pin_memory_device="",
+                 in_order=_NOT_GIVEN, transport=None, seed_per_batch=False,
+                 snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0,
+                 device=None):
+        releases_only = {} if in_order is _NOT_GIVEN else {"in_order": in_order}
+        super().__init__(
+            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+            batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+            pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            generator=generator, prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
+            **releases_only)
+        self._set_options(dataset, transport, seed_per_batch, snapshot_every_n_steps,
+                          log_every, max_worker_restarts, device)
 
     def _set_options(self, dataset, transport, seed_per_batch, snapshot_every_n_steps,
                      log_every, max_worker_restarts, device) -> None:
@@ -214,3 +207,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             raise error
         self.check_worker_number_rationality()
         return MultiProcessIterator(self)
+
+
+def _signature_like_torchs(init) -> inspect.Signature:
+    """``init``'s signature with ``in_order`` as the installed torch has it:
+    default ``True`` from torch 2.6, absent before (as torch's own)."""
+    signature = inspect.signature(init)
+    parameters = [p.replace(default=True) if p.name == "in_order" else p
+                  for p in signature.parameters.values()
+                  if p.name != "in_order" or TAKES_IN_ORDER]
+    return signature.replace(parameters=parameters)
+
+
+DataLoader.__init__.__signature__ = _signature_like_torchs(DataLoader.__init__)  # type: ignore[attr-defined]
