@@ -153,3 +153,106 @@ def test_the_releaser_thread_ends_before_fresh_workers_are_forked():
     assert ran.is_set(), "the queued release ran before the fork"
     assert len(forks) >= 2
     assert all("torchfeed-slot-releaser" not in names for names in forks), forks
+
+
+def _failing_start(monkeypatch, name: str, times: int = 1) -> list:
+    """``threading.Thread.start`` fails ``times`` times for threads called ``name``
+    (``can't start new thread``, as under a pids limit); the list counts down."""
+    import threading
+
+    real_start = threading.Thread.start
+    left = [times]
+
+    def start(thread):
+        if thread.name == name and left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return left
+
+
+@pytest.mark.timeout(30)
+def test_a_releaser_whose_thread_cannot_start_still_releases_and_keeps_working(monkeypatch):
+    """A failed start leaves the release queued and no half-made thread behind:
+    the next ``quiesce`` (before any fork) runs it in the caller, and the
+    next release starts a thread as usual."""
+    from torchfeed._transport._page_lock import Releaser
+
+    left = _failing_start(monkeypatch, "torchfeed-slot-releaser")
+    releaser = Releaser()
+    ran = []
+    releaser.defer(lambda: ran.append(1), addr=None)
+    assert left == [0] and releaser._thread is None and ran == []
+    releaser.quiesce()
+    assert ran == [1] and releaser._thread is None
+    releaser.defer(lambda: ran.append(2), addr=None)
+    assert releaser.drain(timeout=10) and ran == [1, 2]
+    releaser.quiesce()
+    assert releaser._thread is None
+
+
+@pytest.mark.timeout(60)
+def test_a_pin_thread_that_cannot_start_is_one_clear_error_and_nothing_left(monkeypatch):
+    monkeypatch.setenv("TORCHFEED_PIN_THREAD_WITHOUT_ACCELERATOR", "1")  # the thread runs on CPU
+    _failing_start(monkeypatch, "torchfeed-pin-memory")
+    loader = torchfeed.DataLoader(RangeDataset(8), batch_size=2, num_workers=2, pin_memory=True)
+    before = set(multiprocessing.active_children())
+    with pytest.raises(RuntimeError, match=r"(?s)^can't start new thread\n.*pin-memory thread"):
+        iter(loader)
+    assert set(multiprocessing.active_children()) == before  # its workers were stopped
+    assert len(_batches(loader)) == 4  # the next iterator works
+
+
+def _no_fence(monkeypatch, releaser, failures: int | None = None) -> list:
+    """The releaser's fence and ``torch.cuda.synchronize()`` both raise, as
+    while another thread captures a CUDA graph in global mode; the fence
+    passes again after ``failures`` tries (None: never)."""
+    tries = []
+
+    def fence(jobs):
+        tries.append(len(jobs))
+        if failures is None or len(tries) <= failures:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    def synchronize(device=None):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(releaser, "_fence", fence)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    return tries
+
+
+@pytest.mark.timeout(30)
+def test_a_fence_that_cannot_be_proven_never_frees_a_slot(monkeypatch):
+    from torchfeed._transport import _page_lock
+
+    monkeypatch.setattr(_page_lock, "LINGER", 0.02)
+    monkeypatch.setattr(_page_lock, "FENCE_RETRIES", 3, raising=False)
+    releaser = _page_lock.Releaser()
+    tries = _no_fence(monkeypatch, releaser)
+    freed = []
+    with pytest.warns(RuntimeWarning, match=r"(?s)1 page-locked shared-memory slot.*kept from "
+                                            r"their workers.*capture_error_mode"):
+        releaser.defer(lambda: freed.append("slot"), addr=None)
+        assert releaser.drain(timeout=10)
+    assert freed == []  # the slot never went back to its worker
+    assert len(tries) == 4  # tried again, then given up
+
+
+@pytest.mark.timeout(30)
+def test_a_fence_that_fails_for_a_while_frees_the_slot_only_once_it_passes(monkeypatch):
+    from torchfeed._transport import _page_lock
+
+    monkeypatch.setattr(_page_lock, "LINGER", 0.02)
+    releaser = _page_lock.Releaser()
+    tries = _no_fence(monkeypatch, releaser, failures=2)
+    freed = []
+
+    def free():
+        freed.append(len(tries))
+
+    releaser.defer(free, addr=None)
+    assert releaser.drain(timeout=10)
+    assert freed == [3]  # run in the round whose fence passed, not before

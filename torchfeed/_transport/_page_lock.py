@@ -52,8 +52,12 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import contextlib
+import ctypes
+import logging
 import os
 import threading
+import time
 import warnings
 
 import torch
@@ -63,12 +67,15 @@ from . import _slots
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 ENV_DISABLE = "TORCHFEED_PAGE_LOCKED_SLOTS"  # "0": pin slot batches by copy, as before
 LINGER = 0.5  # seconds the releaser's thread waits for more work before it ends
+FENCE_RETRIES = 8  # rounds a fence that cannot be proven is tried again, LINGER apart
+logger = logging.getLogger("torchfeed")
 
 _lock = threading.RLock()  # RLock: a weakref callback may unregister while this thread holds it
 _registered: dict[int, int] = {}  # mapping address -> length, registered with CUDA
 _starts: list[int] = []           # the addresses, sorted (``owning_range``)
 _warned: list[bool] = [False]
 registrations = [0]  # cudaHostRegister calls made by this process (one per slot)
+leaked = [0, 0]  # slots (count, bytes) kept from their workers: no fence could be proven
 
 
 def wanted() -> bool:
@@ -76,11 +83,46 @@ def wanted() -> bool:
     return os.environ.get(ENV_DISABLE, "1") != "0" and torch.cuda.is_available()
 
 
+def _cudart():
+    """torch's bindings of the CUDA runtime (a seam: tests stand a stub in for CUDA)."""
+    return torch.cuda.cudart()
+
+
+_runtime: list = []  # [the process's libcudart through ctypes, or None], once looked up
+
+
+def _runtime_library():
+    """The CUDA runtime library torch loaded, through ctypes, or None (linked
+    statically, or not found): torch binds no ``cudaGetLastError``."""
+    if not _runtime:
+        found = None
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "libcudart" in line and "/" in line}
+            for path in sorted(paths):
+                found = ctypes.CDLL(path)  # the same handle as the copy already loaded
+                break
+        except (OSError, IndexError):
+            found = None
+        _runtime.append(found)
+    return _runtime[0]
+
+
+def _clear_last_error() -> None:
+    """Reset this thread's CUDA "last error" after a runtime call we failed on
+    purpose: torch checks ``cudaGetLastError`` after each kernel launch, and
+    would otherwise raise our stale error at the next launch in this thread."""
+    library = _runtime_library()
+    if library is not None:
+        library.cudaGetLastError()
+
+
 def register(shared_map) -> bool:
     """Page-lock ``shared_map`` (an ``_arena.SharedMap``); False, with one warning, if CUDA refuses."""
-    rc = int(torch.cuda.cudart().cudaHostRegister(shared_map.addr, shared_map.length,
-                                                  _HOST_REGISTER_PORTABLE))
+    rc = int(_cudart().cudaHostRegister(shared_map.addr, shared_map.length,
+                                        _HOST_REGISTER_PORTABLE))
     if rc != 0:
+        _clear_last_error()
         if not _warned[0]:
             _warned[0] = True
             warnings.warn(
@@ -104,15 +146,21 @@ def unregister(shared_map) -> None:
     _unregister_addr(shared_map.addr)
 
 
-def _unregister_addr(addr: int, _cuda=torch.cuda) -> None:
+def _unregister_addr(addr: int) -> None:
     with _lock:
         if _registered.pop(addr, None) is None:
             return
         del _starts[bisect.bisect_left(_starts, addr)]
     try:
-        _cuda.cudart().cudaHostUnregister(addr)
+        if int(_cudart().cudaHostUnregister(addr)) != 0:
+            _clear_last_error()
     except Exception:  # noqa: BLE001 - interpreter teardown; the process's end unpins anyway
         pass
+
+
+def locked_bytes(shared_map) -> int:
+    """The bytes of ``shared_map`` page-locked now (0: not registered)."""
+    return _registered.get(shared_map.addr, 0)
 
 
 def registered_bytes() -> int:
@@ -137,16 +185,23 @@ def _has_context(device: int) -> bool:
 
 
 class _Job:
-    __slots__ = ("fn", "event")
+    __slots__ = ("fn", "event", "tries", "addr")
 
-    def __init__(self, fn, event):
-        self.fn, self.event = fn, event
+    def __init__(self, fn, event, addr):
+        self.fn, self.event, self.addr = fn, event, addr
+        self.tries = 0  # rounds whose fence could not be proven
 
 
 class Releaser:
     """Runs each queued function once the copies that may read its slot are done
     (NOTE [ No slot reused while a copy may read it ]); one per process, its
-    thread started on demand and ended after ``LINGER`` seconds without work."""
+    thread started on demand and ended after ``LINGER`` seconds without work.
+
+    A function whose fence cannot be proven (the event query and
+    ``torch.cuda.synchronize()`` both raise, as while another thread captures
+    a CUDA graph in global mode) is never run: it waits for the next round, up
+    to ``FENCE_RETRIES`` rounds, and is then dropped with a warning: its slot
+    stays page-locked and never goes back to its worker (``leaked``)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -156,6 +211,8 @@ class Releaser:
         self._local = threading.local()
         self._streams: dict[int, list] = {}  # device index -> the streams torch hands out
         self._quiescing = False  # end the thread as soon as nothing is queued
+        self._held = 0  # forks under way (``no_thread``): start no thread
+        self._start_failed = False
         self.rounds = 0
 
     # -- producers ------------------------------------------------------------
@@ -172,13 +229,28 @@ class Releaser:
         events = getattr(self._local, "events", None)
         event = events.get(addr) if events else None
         with self._cond:
-            self._jobs.append(_Job(fn, event))
+            self._jobs.append(_Job(fn, event, addr))
             self._pending += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="torchfeed-slot-releaser",
-                                                daemon=True)
-                self._thread.start()
+            self._start_thread()
             self._cond.notify_all()
+
+    def _start_thread(self) -> None:
+        """Start the thread if it is needed and allowed; with ``_cond`` held. A
+        start that fails (``can't start new thread`` under a pids limit) leaves
+        the jobs queued, for the next ``defer`` or the next ``quiesce``."""
+        if self._thread is not None or self._held or not self._jobs:
+            return
+        thread = threading.Thread(target=self._run, name="torchfeed-slot-releaser", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            if not self._start_failed:
+                self._start_failed = True
+                logger.warning("torchfeed: could not start the thread that gives page-locked "
+                               "slots back to their workers (%s); the slots wait for the next "
+                               "release, or for the next start of a worker.", exc)
+            return
+        self._thread = thread
 
     def deferring(self, fn, addr: int):
         """``fn`` as a weakref callback whose run waits for the fence."""
@@ -187,25 +259,52 @@ class Releaser:
         return release
 
     def drain(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued function ran; False on timeout."""
+        """Wait until every queued function ran (or was dropped, its fence
+        unprovable); False on timeout."""
         with self._cond:
+            self._start_thread()  # after a failed start
             return self._cond.wait_for(lambda: self._pending == 0, timeout)
 
     def quiesce(self, timeout: float = 30.0) -> None:
         """Run what is queued and end the thread now, not ``LINGER`` later.
 
-        Called before workers are forked: torch's loader forks them with only
-        the main thread alive, and Python 3.12 warns at a fork from a process
-        with threads (a lock another thread holds is held for ever in the
-        child).  The wait is for copies already queued on the GPU, once per
-        ``iter()`` that starts workers, never per batch."""
+        Called before workers are forked (``no_thread``): torch's loader forks
+        them with only the main thread alive, and Python 3.12 warns at a fork
+        from a process with threads (a lock another thread holds is held for
+        ever in the child).  The wait is for copies already queued on the GPU,
+        once per worker start, never per batch.  Where no thread runs and
+        jobs are queued (its start failed), they run here, in the caller."""
         with self._cond:
             thread = self._thread
-            if thread is None:
+            if thread is None and not self._jobs:
                 return
             self._quiescing = True
+            if thread is None:  # run the rounds here; a defer meanwhile starts no other thread
+                thread = self._thread = threading.current_thread()
             self._cond.notify_all()
-        thread.join(timeout)
+        if thread is threading.current_thread():
+            self._run()
+        else:
+            thread.join(timeout)
+
+    def running(self) -> bool:
+        """Whether the thread is alive (after ``quiesce``: it did not end in time)."""
+        thread = self._thread
+        return thread is not None and thread is not threading.current_thread() and thread.is_alive()
+
+    @contextlib.contextmanager
+    def no_thread(self, timeout: float = 30.0):
+        """For a fork: the thread ended (``quiesce``), and none started until the
+        block ends; releases deferred meanwhile wait for the block's end."""
+        with self._cond:
+            self._held += 1
+        try:
+            self.quiesce(timeout)
+            yield
+        finally:
+            with self._cond:
+                self._held -= 1
+                self._start_thread()
 
     # -- the thread -------------------------------------------------------------
     def _run(self) -> None:
@@ -219,27 +318,60 @@ class Releaser:
                         self._quiescing = False
                         return
                 jobs, self._jobs = self._jobs, []
-            done = self._round(jobs)
+            kept = self._round(jobs)
+            finished = len(jobs) - len(kept)
             del jobs  # no slot's function kept alive while the thread waits
             with self._cond:
-                self._pending -= done
+                self._jobs[:0] = kept
+                self._pending -= finished
                 self._cond.notify_all()
+            if kept:
+                del kept
+                time.sleep(LINGER)  # give whatever forbids CUDA calls time to end
 
-    def _round(self, jobs: list[_Job]) -> int:
+    def _round(self, jobs: list[_Job]) -> list[_Job]:
+        """Run the jobs once their fence has passed; the jobs kept for the next
+        round, their fence not proven (none kept: each has run, or was dropped)."""
         try:
             self._fence(jobs)
-        except Exception:  # noqa: BLE001 - never free on a failed fence: wait for everything
+        except Exception as fence_error:  # noqa: BLE001 - wait for everything instead
             try:
                 torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001 - CUDA is gone: nothing can read the slots
-                pass
+            except Exception as sync_error:  # noqa: BLE001 - nothing proves any copy done
+                return self._unfenced(jobs, fence_error, sync_error)
         for job in jobs:
             try:
                 job.fn()
-            except Exception:  # noqa: BLE001 - a slot's release must not stop the others
-                pass
+            except Exception as exc:  # noqa: BLE001 - a slot's release must not stop the others
+                logger.warning("torchfeed: giving a page-locked slot back to its worker "
+                               "failed (%s: %s); the slot stays with this process.",
+                               type(exc).__name__, exc)
         self.rounds += 1
-        return len(jobs)
+        return []
+
+    def _unfenced(self, jobs: list[_Job], fence_error, sync_error) -> list[_Job]:
+        """No fence could be proven for ``jobs``: none may run. Those tried
+        ``FENCE_RETRIES`` times are dropped (their slots stay page-locked and
+        out of their workers' hands, for as long as this process lives); the
+        others are returned, for the next round."""
+        kept: list[_Job] = []
+        dropped: list[_Job] = []
+        for job in jobs:
+            job.tries += 1
+            (dropped if job.tries > FENCE_RETRIES else kept).append(job)
+        if dropped:
+            size = sum(_registered.get(job.addr, 0) for job in dropped if job.addr is not None)
+            leaked[0] += len(dropped)
+            leaked[1] += size
+            warnings.warn(
+                f"torchfeed: {len(dropped)} page-locked shared-memory slot(s) ({size} bytes) "
+                f"are kept from their workers for good: no CUDA fence could prove that the "
+                f"copies from them are done (the event query raised {fence_error!r}, and "
+                f"torch.cuda.synchronize() raised {sync_error!r}). This happens while another "
+                f"thread captures a CUDA graph with capture_error_mode='global': capture "
+                f"before iterating, or with capture_error_mode='thread_local'.",
+                RuntimeWarning, stacklevel=2)
+        return kept
 
     def _fence(self, jobs) -> None:
         events = [job.event for job in jobs if job.event is not None]
@@ -295,11 +427,19 @@ class SlotPins:
         """``entry`` (a new ``MainSlot``) was mapped, in place of ``replaced`` (or None)."""
         if replaced is not None:
             unregister(replaced.map)  # its worker retired it, after it was freed: no copy reads it
-        for idx, other in cache.items():
-            if states[idx] == _slots.RETIRED:
-                unregister(other.map)
+        self.sweep(cache, states)
         if register(entry.map):
             entry.release = releaser.deferring(entry.release, entry.map.addr)
+
+    @staticmethod
+    def sweep(cache: dict, states) -> None:
+        """Unregister the slots of ``cache`` that their worker retired: called at
+        each batch from that worker, so a retired slot's pages, which the worker
+        punched out of its arena, are not held locked until the next slot or
+        the close. A retired slot was free first, so its fence has passed."""
+        for idx, other in tuple(cache.items()):
+            if states[idx] == _slots.RETIRED and other.map.addr in _registered:
+                unregister(other.map)
 
     def let_go(self, entry, held: bool, callback):
         """At close or renewal: the weakref callback for a batch still ``held`` (deferred
