@@ -83,11 +83,6 @@ def wanted() -> bool:
     return os.environ.get(ENV_DISABLE, "1") != "0" and torch.cuda.is_available()
 
 
-def _cudart():
-    """torch's bindings of the CUDA runtime (a seam: tests stand a stub in for CUDA)."""
-    return torch.cuda.cudart()
-
-
 _runtime: list = []  # [the process's libcudart through ctypes, or None], once looked up
 
 
@@ -119,7 +114,7 @@ def _clear_last_error() -> None:
 
 def register(shared_map) -> bool:
     """Page-lock ``shared_map`` (an ``_arena.SharedMap``); False, with one warning, if CUDA refuses."""
-    rc = int(_cudart().cudaHostRegister(shared_map.addr, shared_map.length,
+    rc = int(torch.cuda.cudart().cudaHostRegister(shared_map.addr, shared_map.length,
                                         _HOST_REGISTER_PORTABLE))
     if rc != 0:
         _clear_last_error()
@@ -152,7 +147,7 @@ def _unregister_addr(addr: int) -> None:
             return
         del _starts[bisect.bisect_left(_starts, addr)]
     try:
-        if int(_cudart().cudaHostUnregister(addr)) != 0:
+        if int(torch.cuda.cudart().cudaHostUnregister(addr)) != 0:
             _clear_last_error()
     except Exception:  # noqa: BLE001 - interpreter teardown; the process's end unpins anyway
         pass
