@@ -60,8 +60,17 @@ def page_lock_slots(set_attr, runtime: FakeRuntime) -> None:
     """Page-lock slots with ``runtime`` in place of CUDA. ``set_attr`` is
     ``monkeypatch.setattr`` in a test, or ``setattr`` in a process of its own."""
     set_attr(torch.cuda, "cudart", lambda: runtime)
-    set_attr(_page_lock, "_runtime_library", lambda: runtime)
+    _set_new(set_attr, _page_lock, "_runtime_library", lambda: runtime)
     set_attr(_page_lock, "wanted", lambda: True)
+
+
+def _set_new(set_attr, obj, name: str, value) -> None:
+    """``set_attr`` for an attribute that older torchfeeds lack (so that a test
+    can be run against them, to see it fail for the right reason)."""
+    try:
+        set_attr(obj, name, value, raising=False)
+    except TypeError:  # the builtin setattr
+        set_attr(obj, name, value)
 
 
 def pin_thread_on_cpu(set_attr) -> None:
