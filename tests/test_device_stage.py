@@ -6,6 +6,7 @@ The stage itself, page-locked slots and their release are tested on a GPU in
 from __future__ import annotations
 
 import collections
+import dataclasses
 import multiprocessing
 import os
 
@@ -194,6 +195,7 @@ def test_a_releaser_whose_thread_cannot_start_still_releases_and_keeps_working(m
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")
 def test_a_pin_thread_that_cannot_start_is_one_clear_error_and_nothing_left(monkeypatch):
     monkeypatch.setenv("TORCHFEED_PIN_THREAD_WITHOUT_ACCELERATOR", "1")  # the thread runs on CPU
     _failing_start(monkeypatch, "torchfeed-pin-memory")
@@ -256,3 +258,135 @@ def test_a_fence_that_fails_for_a_while_frees_the_slot_only_once_it_passes(monke
     releaser.defer(free, addr=None)
     assert releaser.drain(timeout=10)
     assert freed == [3]  # run in the round whose fence passed, not before
+
+
+# -- objects with their own to() (issue 35, finding 1) -------------------------------------------
+class _FakeStream:
+    """A CUDA stream as the stage uses one: waited on, and named in record_stream."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+class _FakeEvent:
+    def __init__(self, blocking: bool = False) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+
+def _stage_without_cuda(monkeypatch) -> _FakeStream:
+    """The device stage's CUDA calls stubbed; its copies are ``.to("cpu")``. The
+    user's current stream is the returned one."""
+    import contextlib
+
+    user_stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: user_stream)
+    return user_stream
+
+
+def _through_the_stage(batch):
+    """``batch`` through a real DeviceFeedThread and ``hand_over``, as the iterator does."""
+    import threading
+
+    from torchfeed._device import DeviceFeedThread, hand_over
+
+    items = [(True, (0, batch))]
+    stage = DeviceFeedThread(lambda timeout: items.pop() if items else (False, None), None,
+                             None, pin=False, target=torch.device("cpu"))
+    try:
+        kind, (_, item) = stage.out.get(timeout=10)
+    finally:
+        stage.stop()
+    assert kind == "data" and not stage.thread.is_alive()
+    assert threading.current_thread() is threading.main_thread()
+    return hand_over(item, torch.device("cpu"))
+
+
+class _Calls:
+    def __init__(self):
+        self.to: list = []
+        self.recorded: list = []
+
+
+class RecordedBatch:
+    """Like a TensorDict or a PyG Data: its own to() and record_stream()."""
+
+    def __init__(self, x, calls):
+        self.x, self.calls = x, calls
+
+    def to(self, device, non_blocking=False):
+        import threading
+
+        self.calls.to.append(threading.current_thread().name)
+        return RecordedBatch(self.x.to(device, non_blocking=non_blocking).clone(), self.calls)
+
+    def record_stream(self, stream):
+        if self.x.is_cuda:
+            self.x.record_stream(stream)
+        self.calls.recorded.append(stream)
+
+
+class OwnBatch:
+    """A user's batch class: its own to(), no record_stream."""
+
+    def __init__(self, x, calls):
+        self.x, self.calls = x, calls
+
+    def to(self, device, non_blocking=False):
+        import threading
+
+        self.calls.to.append(threading.current_thread().name)
+        return OwnBatch(self.x.to(device, non_blocking=non_blocking).clone(), self.calls)
+
+
+@pytest.mark.timeout(30)
+def test_an_object_with_record_stream_is_copied_ahead_and_marked_used_on_the_users_stream(
+        monkeypatch):
+    user_stream = _stage_without_cuda(monkeypatch)
+    calls = _Calls()
+    got = _through_the_stage({"b": RecordedBatch(torch.arange(4), calls), "i": torch.ones(2)})
+    assert type(got["b"]) is RecordedBatch and got["b"].x.tolist() == [0, 1, 2, 3]
+    assert calls.to == ["torchfeed-pin-memory"]  # copied ahead, on the stage's stream
+    assert calls.recorded == [user_stream]  # so the allocator keeps it for the user's stream
+
+
+@pytest.mark.timeout(30)
+def test_an_object_with_its_own_to_and_no_record_stream_is_copied_on_the_users_stream(
+        monkeypatch):
+    """Its tensors cannot be marked used on the user's stream, so the stage
+    must not allocate them on its own stream: the batch is copied at
+    hand-over, in the training loop's thread (on its current stream)."""
+    _stage_without_cuda(monkeypatch)
+    calls = _Calls()
+    got = _through_the_stage((OwnBatch(torch.arange(3), calls), torch.zeros(1)))
+    assert type(got) is tuple and type(got[0]) is OwnBatch and got[0].x.tolist() == [0, 1, 2]
+    assert calls.to == ["MainThread"]
+
+
+@dataclasses.dataclass
+class Pair:
+    image: torch.Tensor
+    label: int
+
+
+@pytest.mark.timeout(30)
+def test_a_dataclass_without_to_stays_on_the_cpu_with_one_warning(monkeypatch):
+    from torchfeed import _device
+
+    _stage_without_cuda(monkeypatch)
+    monkeypatch.setattr(_device, "_left_on_cpu_warned", [False], raising=False)
+    with pytest.warns(RuntimeWarning, match=r"holds a Pair \(a dataclass without a to\(\) "
+                                            r"method\), whose tensors \(image\) stay on the CPU"):
+        got = _through_the_stage([Pair(torch.ones(2), 1)])
+    assert type(got[0]) is Pair and got[0].image.tolist() == [1.0, 1.0]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _through_the_stage([Pair(torch.ones(2), 1)])  # warned once
