@@ -15,6 +15,7 @@ what the sampler's order says it must hold.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import os
 import signal
@@ -147,6 +148,55 @@ def test_device_stage_every_batch_right_and_state_counts_what_the_user_got():
     assert checker.count == BATCHES
     assert checker.wrong() == 0
     assert loader.stats()["batches_yielded"] == BATCHES
+    assert _drained() == 0
+
+
+class RowsBatch:
+    """A user's batch class: its own ``to()``, no ``record_stream`` (issue 35,
+    finding 1). The stage cannot mark its tensors as used on the user's stream,
+    so it must not allocate them on its copy stream."""
+
+    def __init__(self, x, sums, i):
+        self.x, self.sum, self.i = x, sums, i
+
+    def to(self, device, non_blocking=False):
+        return type(self)(*(t.to(device, non_blocking=non_blocking)
+                            for t in (self.x, self.sum, self.i)))
+
+    def as_dict(self):
+        return {"x": self.x, "sum": self.sum, "i": self.i}
+
+
+class RecordedRowsBatch(RowsBatch):
+    """The same with ``record_stream``, as a TensorDict or a PyG ``Data`` has."""
+
+    def record_stream(self, stream):
+        for t in (self.x, self.sum, self.i):
+            t.record_stream(stream)
+
+
+def _collate_as(cls, samples):
+    batch = torch.utils.data.default_collate(samples)
+    return cls(batch["x"], batch["sum"], batch["i"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cls", [RowsBatch, RecordedRowsBatch])
+def test_device_stage_batch_class_with_its_own_to_dropped_right_after_use(cls):
+    """Each batch is read by kernels queued behind a busy stream and dropped at
+    once: were its memory the copy stream's, unmarked, the next batch's copy
+    would overwrite it before those kernels read it."""
+    loader = torchfeed.DataLoader(Rows(BATCHES * B), batch_size=B, num_workers=4,
+                                  pin_memory=True, device="cuda",
+                                  collate_fn=functools.partial(_collate_as, cls))
+    checker = Checker()
+    for k, g in enumerate(loader):
+        assert type(g) is cls and g.x.device.type == "cuda"
+        checker.busy()
+        checker.check(k, g.as_dict())
+        del g
+    assert checker.count == BATCHES
+    assert checker.wrong() == 0
     assert _drained() == 0
 
 
