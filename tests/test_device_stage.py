@@ -70,7 +70,7 @@ def test_releaser_runs_every_deferred_release_once_and_its_thread_ends():
     import threading
     import time
 
-    from torchfeed._transport._page_lock import LINGER, Releaser
+    from torchfeed._transport._releaser import LINGER, Releaser
 
     releaser = Releaser()
     ran = []
@@ -179,7 +179,7 @@ def test_a_releaser_whose_thread_cannot_start_still_releases_and_keeps_working(m
     """A failed start leaves the release queued and no half-made thread behind:
     the next ``quiesce`` (before any fork) runs it in the caller, and the
     next release starts a thread as usual."""
-    from torchfeed._transport._page_lock import Releaser
+    from torchfeed._transport._releaser import Releaser
 
     left = _failing_start(monkeypatch, "torchfeed-slot-releaser")
     releaser = Releaser()
@@ -228,11 +228,11 @@ def _no_fence(monkeypatch, releaser, failures: int | None = None) -> list:
 
 @pytest.mark.timeout(30)
 def test_a_fence_that_cannot_be_proven_never_frees_a_slot(monkeypatch):
-    from torchfeed._transport import _page_lock
+    from torchfeed._transport import _releaser
 
-    monkeypatch.setattr(_page_lock, "LINGER", 0.02)
-    monkeypatch.setattr(_page_lock, "FENCE_RETRIES", 3, raising=False)
-    releaser = _page_lock.Releaser()
+    monkeypatch.setattr(_releaser, "LINGER", 0.02)
+    monkeypatch.setattr(_releaser, "FENCE_RETRIES", 3)
+    releaser = _releaser.Releaser()
     tries = _no_fence(monkeypatch, releaser)
     freed = []
     with pytest.warns(RuntimeWarning, match=r"(?s)1 page-locked shared-memory slot.*kept from "
@@ -245,10 +245,10 @@ def test_a_fence_that_cannot_be_proven_never_frees_a_slot(monkeypatch):
 
 @pytest.mark.timeout(30)
 def test_a_fence_that_fails_for_a_while_frees_the_slot_only_once_it_passes(monkeypatch):
-    from torchfeed._transport import _page_lock
+    from torchfeed._transport import _releaser
 
-    monkeypatch.setattr(_page_lock, "LINGER", 0.02)
-    releaser = _page_lock.Releaser()
+    monkeypatch.setattr(_releaser, "LINGER", 0.02)
+    releaser = _releaser.Releaser()
     tries = _no_fence(monkeypatch, releaser, failures=2)
     freed = []
 

@@ -7,7 +7,7 @@ with only the main thread alive, and a fork from a process with threads can
 deadlock the child on a lock another thread held (Python 3.12 warns at every
 such fork).  Before the fork it waits for a running reading of the workers'
 memory (``_worker_costs.finish_readings``), runs the page-locked slots'
-pending releases and ends their thread (``_page_lock.Releaser.no_thread``,
+pending releases and ends their thread (``_releaser.Releaser.no_thread``,
 which starts no new one until the fork is done: a release deferred
 meanwhile waits), and says once if the test-only fault hook is set in vain
 (``_fault_hook.report_misuse``).  The iterator's own pin-memory thread is
