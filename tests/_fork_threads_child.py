@@ -123,6 +123,30 @@ def restart(marker):
         del batch
 
 
+def reading_then_fork():
+    """torchfeed only: a reading of the workers' memory (a thread of its own,
+    made slow here) runs when a second loader forks its workers."""
+    import torchfeed._worker_costs as costs
+
+    read, every = costs.private_bytes, costs.MEMORY_CHECK_EVERY
+
+    def slow_read(pids):
+        time.sleep(0.3)
+        return read(pids)
+
+    costs.private_bytes, costs.MEMORY_CHECK_EVERY = slow_read, 0.0
+    try:
+        training = torchfeed.DataLoader(Samples(), batch_size=2, num_workers=1,
+                                        persistent_workers=True)
+        it = iter(training)
+        next(it)
+        next(it)  # a reading starts here
+        list(torchfeed.DataLoader(Samples(), batch_size=2, num_workers=2))
+        list(it)
+    finally:
+        costs.private_bytes, costs.MEMORY_CHECK_EVERY = read, every
+
+
 def main(out_dir: str) -> None:
     warnings.simplefilter("ignore")
     os.register_at_fork(before=_record)
@@ -138,6 +162,10 @@ def main(out_dir: str) -> None:
     _forks.clear()
     restart(os.path.join(out_dir, "killed"))
     result["restart"] = {"torchfeed": list(_forks)}
+    _settle()
+    _forks.clear()
+    reading_then_fork()
+    result["reading"] = {"torchfeed": list(_forks)}
     if not torch.cuda.is_available():  # the same with page-locked slots, CUDA stubbed
         import cuda_stubs
 

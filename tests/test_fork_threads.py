@@ -40,6 +40,8 @@ def test_torchfeed_forks_with_no_more_threads_than_torch(tmp_path):
     # Where torch forks with MainThread alone, so does torchfeed: on 3.11, everywhere.
     assert all(threads == ["MainThread"] for threads in result["fresh"]["torchfeed"])
     assert all(threads == ["MainThread"] for threads in result["restart"]["torchfeed"])
+    assert len(result["reading"]["torchfeed"]) == 3, result["reading"]  # 1 worker, then 2
+    assert all(threads == ["MainThread"] for threads in result["reading"]["torchfeed"])
     # The restart again with page-locked slots (CUDA stubbed where absent): the
     # dead worker's slots went to the releaser's thread just before the fork
     # of its replacement, and that thread was ended first (issue 35, finding 2).
