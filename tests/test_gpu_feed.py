@@ -291,3 +291,30 @@ def test_readme_device_stage_example_runs_as_written(tmp_path):
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("batches on cuda:0 stats: 8"), proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_registration_leaves_no_error_for_the_next_kernel(monkeypatch):
+    """Issue 35, finding 7: ``cudaHostRegister`` failing (here: the range is
+    registered already) sets CUDA's per-thread last error, which torch checks
+    after each kernel launch; torchfeed resets it, so the next kernel in the
+    same thread does not raise it."""
+    from torchfeed._transport._arena import SharedMap
+
+    fd = os.memfd_create("torchfeed-test-register")
+    try:
+        os.ftruncate(fd, 1 << 20)
+        shared = SharedMap(fd, 1 << 20, populate=True)
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(_page_lock, "_warned", [False])
+    assert _page_lock.register(shared)
+    try:
+        with pytest.warns(UserWarning, match="cudaHostRegister of a 1048576-byte"):
+            assert not _page_lock.register(shared)  # cudaErrorHostMemoryAlreadyRegistered
+        x = torch.ones(8, device="cuda")
+        x.add_(1)  # a kernel launch: torch checks cudaGetLastError after it
+        assert x.sum().item() == 16
+    finally:
+        _page_lock.unregister(shared)
+    assert not _page_lock.is_registered(shared)
