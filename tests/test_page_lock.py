@@ -143,3 +143,29 @@ def test_batches_in_use_are_counted_right_when_three_threads_drop_them():
     packer.close()
     unpacker.close()
 
+
+
+@pytest.mark.timeout(60)
+def test_stats_show_the_bytes_a_loader_keeps_page_locked(monkeypatch, runtime):
+    """Through a real loader, the pin thread run without an accelerator
+    (``cuda_stubs.pin_thread_on_cpu``): what its slots hold locked now."""
+    from cuda_stubs import pin_thread_on_cpu
+    from sample_datasets import RangeDataset
+
+    import torchfeed
+
+    pin_thread_on_cpu(monkeypatch.setattr)
+    loader = torchfeed.DataLoader(RangeDataset(64), batch_size=8, num_workers=1,
+                                  pin_memory=True, persistent_workers=True)
+    it = iter(loader)
+    batch = next(it)
+    assert runtime.calls[0] == ("cudaHostRegister", "torchfeed-pin-memory")
+    shm = loader.stats()["shm"]
+    assert shm["page_locked_bytes"] == sum(runtime.locked.values()) > 0, (shm, runtime.locked)
+    assert "page-locked" in str(loader.stats())
+    del batch
+    list(it)
+    del it, loader
+    gc.collect()
+    assert _page_lock.releaser.drain(timeout=10)
+    assert runtime.locked == {}  # all unlocked once the loader is gone
