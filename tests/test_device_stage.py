@@ -390,3 +390,24 @@ def test_a_dataclass_without_to_stays_on_the_cpu_with_one_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _through_the_stage([Pair(torch.ones(2), 1)])  # warned once
+
+
+@pytest.mark.timeout(30)
+def test_a_release_that_raises_is_logged_and_the_others_still_run(caplog):
+    import logging
+
+    from torchfeed._transport._releaser import Releaser
+
+    releaser = Releaser()
+    ran = []
+
+    def broken():
+        raise OSError(22, "Invalid argument")
+
+    with caplog.at_level(logging.WARNING, logger="torchfeed"):
+        releaser.defer(broken, addr=None)
+        releaser.defer(lambda: ran.append(1), addr=None)
+        assert releaser.drain(timeout=10)
+    assert ran == [1]
+    assert any("giving a page-locked slot back to its worker failed (OSError: [Errno 22] "
+               "Invalid argument)" in r.getMessage() for r in caplog.records), caplog.text
