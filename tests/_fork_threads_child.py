@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cuda_stubs
 import torchfeed  # noqa: E402
 
 _forks: list = []
@@ -111,10 +112,39 @@ SCENARIOS = {"fresh": fresh, "persistent_pin": persistent_pin, "iterable": itera
 
 
 def restart(marker):
-    """torchfeed only: a worker killed, and a replacement forked mid-epoch."""
+    """torchfeed only: a worker killed, and a replacement forked mid-epoch.
+    Batches are dropped as they arrive, so slots are released all along; with
+    page-locked slots (stubbed here without CUDA, see ``cuda_stubs.py``), the
+    renewal of the dead worker's arena hands its slots to the releaser's
+    thread just before the replacement is forked."""
     loader = torchfeed.DataLoader(KillsOnce(marker), batch_size=2, num_workers=2,
                                   pin_memory=True, max_worker_restarts=1)
-    list(loader)
+    for batch in loader:
+        del batch
+
+
+def reading_then_fork():
+    """torchfeed only: a reading of the workers' memory (a thread of its own,
+    made slow here) runs when a second loader forks its workers."""
+    import torchfeed._worker_costs as costs
+
+    read, every = costs.private_bytes, costs.MEMORY_CHECK_EVERY
+
+    def slow_read(pids):
+        time.sleep(0.3)
+        return read(pids)
+
+    costs.private_bytes, costs.MEMORY_CHECK_EVERY = slow_read, 0.0
+    try:
+        training = torchfeed.DataLoader(Samples(), batch_size=2, num_workers=1,
+                                        persistent_workers=True)
+        it = iter(training)
+        next(it)
+        next(it)  # a reading starts here
+        list(torchfeed.DataLoader(Samples(), batch_size=2, num_workers=2))
+        list(it)
+    finally:
+        costs.private_bytes, costs.MEMORY_CHECK_EVERY = read, every
 
 
 def main(out_dir: str) -> None:
@@ -132,6 +162,24 @@ def main(out_dir: str) -> None:
     _forks.clear()
     restart(os.path.join(out_dir, "killed"))
     result["restart"] = {"torchfeed": list(_forks)}
+    _settle()
+    _forks.clear()
+    reading_then_fork()
+    result["reading"] = {"torchfeed": list(_forks)}
+    if not torch.cuda.is_available():  # the same with page-locked slots, CUDA stubbed
+        import cuda_stubs
+
+        runtime = cuda_stubs.FakeRuntime()
+        cuda_stubs.page_lock_slots(setattr, runtime)
+        cuda_stubs.pin_thread_on_cpu(setattr)
+        _settle()
+        _forks.clear()
+        restart(os.path.join(out_dir, "killed-locked"))
+        result["restart_page_locked"] = {"torchfeed": list(_forks),
+                                         "registered": runtime.calls.count(
+                                             ("cudaHostRegister", "torchfeed-pin-memory")),
+                                         "released_by": sorted({t for c, t in runtime.calls
+                                                                if c == "cudaHostUnregister"})}
     print(json.dumps(result))
 
 

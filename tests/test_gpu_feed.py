@@ -15,6 +15,7 @@ what the sampler's order says it must hold.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import os
 import signal
@@ -150,6 +151,55 @@ def test_device_stage_every_batch_right_and_state_counts_what_the_user_got():
     assert _drained() == 0
 
 
+class RowsBatch:
+    """A user's batch class: its own ``to()``, no ``record_stream`` (issue 35,
+    finding 1). The stage cannot mark its tensors as used on the user's stream,
+    so it must not allocate them on its copy stream."""
+
+    def __init__(self, x, sums, i):
+        self.x, self.sum, self.i = x, sums, i
+
+    def to(self, device, non_blocking=False):
+        return type(self)(*(t.to(device, non_blocking=non_blocking)
+                            for t in (self.x, self.sum, self.i)))
+
+    def as_dict(self):
+        return {"x": self.x, "sum": self.sum, "i": self.i}
+
+
+class RecordedRowsBatch(RowsBatch):
+    """The same with ``record_stream``, as a TensorDict or a PyG ``Data`` has."""
+
+    def record_stream(self, stream):
+        for t in (self.x, self.sum, self.i):
+            t.record_stream(stream)
+
+
+def _collate_as(cls, samples):
+    batch = torch.utils.data.default_collate(samples)
+    return cls(batch["x"], batch["sum"], batch["i"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cls", [RowsBatch, RecordedRowsBatch])
+def test_device_stage_batch_class_with_its_own_to_dropped_right_after_use(cls):
+    """Each batch is read by kernels queued behind a busy stream and dropped at
+    once: were its memory the copy stream's, unmarked, the next batch's copy
+    would overwrite it before those kernels read it."""
+    loader = torchfeed.DataLoader(Rows(BATCHES * B), batch_size=B, num_workers=4,
+                                  pin_memory=True, device="cuda",
+                                  collate_fn=functools.partial(_collate_as, cls))
+    checker = Checker()
+    for k, g in enumerate(loader):
+        assert type(g) is cls and g.x.device.type == "cuda"
+        checker.busy()
+        checker.check(k, g.as_dict())
+        del g
+    assert checker.count == BATCHES
+    assert checker.wrong() == 0
+    assert _drained() == 0
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pin_memory", [True, False])
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -241,3 +291,30 @@ def test_readme_device_stage_example_runs_as_written(tmp_path):
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("batches on cuda:0 stats: 8"), proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_registration_leaves_no_error_for_the_next_kernel(monkeypatch):
+    """Issue 35, finding 7: ``cudaHostRegister`` failing (here: the range is
+    registered already) sets CUDA's per-thread last error, which torch checks
+    after each kernel launch; torchfeed resets it, so the next kernel in the
+    same thread does not raise it."""
+    from torchfeed._transport._arena import SharedMap
+
+    fd = os.memfd_create("torchfeed-test-register")
+    try:
+        os.ftruncate(fd, 1 << 20)
+        shared = SharedMap(fd, 1 << 20, populate=True)
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(_page_lock, "_warned", [False])
+    assert _page_lock.register(shared)
+    try:
+        with pytest.warns(UserWarning, match="cudaHostRegister of a 1048576-byte"):
+            assert not _page_lock.register(shared)  # cudaErrorHostMemoryAlreadyRegistered
+        x = torch.ones(8, device="cuda")
+        x.add_(1)  # a kernel launch: torch checks cudaGetLastError after it
+        assert x.sum().item() == 16
+    finally:
+        _page_lock.unregister(shared)
+    assert not _page_lock.is_registered(shared)

@@ -120,3 +120,23 @@ def test_no_reading_thread_is_alive_when_a_worker_is_forked():
                          text=True, timeout=50)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "threads at the forks: [[]" in out.stdout, out.stdout
+
+
+def test_a_reading_whose_thread_cannot_start_leaves_nothing_behind(monkeypatch):
+    """``can't start new thread`` (a pids limit, just when loaders fork): the
+    reading raises once (``_stats`` logs it and goes on), and no later
+    ``finish_readings``, which runs before every fork, trips over it."""
+    real_start = threading.Thread.start
+
+    def start(thread):
+        if thread.name == "torchfeed-memory":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        costs.MemoryReading([os.getpid()])
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    costs.finish_readings()  # nothing listed that was never started
+    assert costs.MemoryReading([os.getpid()]).wait()[0] > 0
+    costs.finish_readings()

@@ -281,7 +281,8 @@ def test_shared_memory_figures_come_from_the_transport():
     batch = next(it)
     held = loader.stats()["shm"]
     assert set(held) == {"slots", "in_use", "bytes", "in_use_bytes", "reuse_bytes",
-                         "worker_bytes", "slot_table"}
+                         "page_locked_bytes", "worker_bytes", "slot_table"}
+    assert held["page_locked_bytes"] == 0  # pin_memory=False: nothing page-locked
     # The batch we hold sits in a worker's slot: at least that slot exists and is in use.
     assert held["slots"] >= 1 and held["in_use"] >= 1, held
     assert held["bytes"] > 0 and held["in_use_bytes"] > 0, held

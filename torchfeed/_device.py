@@ -17,6 +17,21 @@ and each tensor is marked as used on that stream (``record_stream``), so that
 the caching allocator does not give its memory back to the copy stream while
 the user's stream may still read it.
 
+NOTE [ Objects with their own to() ]
+Memory the copy stream allocated and the user drops goes back to the copy
+stream's pool at once, and the next batch's copy may overwrite it while
+kernels on the user's stream still read it, unless it was marked used on the
+user's stream. The stage can mark only what it can name: a tensor, and an
+object that has ``record_stream(stream)`` as well as ``to()`` (a TensorDict,
+a PyG ``Data``/``Batch``), which is copied ahead like a tensor and marked as a
+whole. An object with a ``to()`` method and no ``record_stream`` (a user's batch
+class) holds tensors the stage cannot see; a batch holding one is therefore
+copied when it is handed over, on the user's current stream, as with
+``num_workers=0``: its memory then belongs to the user's stream, and the copy
+(``non_blocking``, from pinned memory) is not overlapped with the work queued
+before it. A dataclass (or any other object) without ``to()`` stays on the
+CPU, as torch's pin step leaves it unpinned; one warning says so.
+
 ``num_workers=0``: the batch is copied on the current stream in the calling
 thread. ``pin_memory=False``: nothing is page-locked or pinned; the copy reads
 pageable memory, which CUDA stages through its own pinned buffer before the
@@ -25,6 +40,8 @@ copy call returns (slower, still off the training loop). Leaves without a
 """
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -34,6 +51,7 @@ from ._protocol import StatefulResult
 from ._transport import _page_lock
 
 MAX_AHEAD = 2
+_left_on_cpu_warned: list[bool] = [False]
 
 
 def _parse(device) -> torch.device:
@@ -96,12 +114,51 @@ def move(data, device, tensors: list, sources: list):
         return rebuild_sequence(data, [move(v, device, tensors, sources) for v in data])
     to = getattr(data, "to", None)
     if callable(to) and not isinstance(data, type):
-        return to(device, non_blocking=True)
+        out = to(device, non_blocking=True)
+        if out is not data:  # marked used at hand-over (its record_stream), see below
+            tensors.append(out)
+        return out
     return data
 
 
+def copied_at_hand_over(data) -> bool:
+    """Whether ``data`` holds an object with its own ``to()`` and no
+    ``record_stream``, whose memory the stage could not mark as used on the
+    user's stream (NOTE [ Objects with their own to() ]). Warns, once, of a
+    dataclass holding tensors that stays on the CPU."""
+    if isinstance(data, (torch.Tensor, str, bytes)):
+        return False
+    if isinstance(data, Mapping):
+        return any([copied_at_hand_over(v) for v in data.values()])
+    if isinstance(data, Sequence):  # tuples and named tuples too
+        return any([copied_at_hand_over(v) for v in data])
+    to = getattr(data, "to", None)
+    if callable(to) and not isinstance(data, type):
+        return not callable(getattr(data, "record_stream", None))
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        _warn_left_on_cpu(data)
+    return False
+
+
+def _warn_left_on_cpu(data) -> None:
+    if _left_on_cpu_warned[0]:
+        return
+    fields = [f.name for f in dataclasses.fields(data)
+              if isinstance(getattr(data, f.name, None), torch.Tensor)]
+    if fields:
+        _left_on_cpu_warned[0] = True
+        name = type(data).__qualname__
+        warnings.warn(
+            f"DataLoader(device=...): the batch holds a {name} (a dataclass without a to() "
+            f"method), whose tensors ({', '.join(fields)}) stay on the CPU, as torch's "
+            f"pin_memory leaves them unpinned. Give {name} a to(device, non_blocking=False) "
+            "method that returns a copy with its tensors moved, or return a dict or tuple "
+            "from collate_fn. (Warned once.)", RuntimeWarning, stacklevel=2)
+
+
 class DeviceBatch:
-    """A batch on the device, and the event its copy finishes at."""
+    """A batch on the device, and the event its copy finishes at; or (``event``
+    None) a pinned CPU batch to copy at hand-over, on the user's stream."""
 
     __slots__ = ("batch", "event", "tensors")
 
@@ -110,9 +167,13 @@ class DeviceBatch:
 
 
 def hand_over(item, device: torch.device):
-    """The user's batch: their current stream waits for its copy, on the GPU."""
+    """The user's batch: their current stream waits for its copy, on the GPU,
+    and every tensor (or object with ``record_stream``) the copy made is
+    marked as used on that stream."""
     if type(item) is not DeviceBatch:
         return item
+    if item.event is None:  # NOTE [ Objects with their own to() ]
+        return move(item.batch, device, [], [])
     stream = torch.cuda.current_stream(device)
     stream.wait_event(item.event)
     for tensor in item.tensors:
@@ -151,6 +212,10 @@ class DeviceFeedThread(PinMemoryThread):
             batch = pin_memory(batch, self._device)
         stateful = type(batch) is StatefulResult
         value = batch.value if stateful else batch
+        if copied_at_hand_over(value):
+            later = DeviceBatch(value, None, None)
+            return StatefulResult(later, batch.state, batch.exhausted, batch.samples) if stateful \
+                else later
         tensors: list = []
         sources: list = []
         with torch.cuda.stream(self._copy_stream):

@@ -20,8 +20,17 @@ little; this hook makes the instant certain.  The environment variable
 * ``stack-dump``: on the main process's request for its stacks (a timeout),
   after writing the start of a dump.
 
-The variable is read once, when the worker starts (``worker_loop``); unset, the
-hook costs nothing per task.  Installing wraps the worker's own copies of the
+The hook is armed only when a second variable, ``TORCHFEED_TEST_FAULTS_ARMED=1``,
+which only the test suite sets, is set as well: a worker that kills itself
+reads exactly like one the OOM killer took, and uses up
+``max_worker_restarts``, so a stray ``TORCHFEED_TEST_DIE_HOLDING`` in a user's
+environment must do nothing.  The main process says so once, in words
+(``report_misuse``, called where workers are forked): the variable set without
+the switch, or set in a malformed way.  An armed hook writes a line to stderr
+naming itself just before it kills.
+
+The variables are read once, when the worker starts (``worker_loop``); unset,
+the hook costs nothing per task.  Installing wraps the worker's own copies of the
 objects, so the main process is never touched.  To put a lock that kills in
 the place of the real one, it assigns the queues' private ``_rlock``, ``_sem``
 and ``_wlock``: besides ``_ipc/_mp_queue.py``, the only code that names them.
@@ -31,28 +40,85 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import warnings
 
 ENV = "TORCHFEED_TEST_DIE_HOLDING"
+ARMED_ENV = "TORCHFEED_TEST_FAULTS_ARMED"  # "1": the test suite's second switch
 KINDS = ("stop-flag", "index-lock", "result-sem", "result-lock", "result-lock-written",
          "feeder-lock", "slot", "sent", "stack-dump")
 
+_reported = [False]
 
-def _die() -> None:
+
+class Fault:
+    """A parsed ``ENV`` value: kill worker ``worker_id`` the ``n``-th time it reaches ``what``."""
+
+    __slots__ = ("what", "worker_id", "n")
+
+    def __init__(self, what: str, worker_id: int, n: int) -> None:
+        self.what, self.worker_id, self.n = what, worker_id, n
+
+
+def parse(value: str) -> Fault | str:
+    """The fault ``value`` names, or why it is malformed (a sentence)."""
+    what, _, rest = value.partition(":")
+    target, _, n = rest.partition(":")
+    if what not in KINDS:
+        return f"the fault {what!r} is not one of {', '.join(KINDS)}"
+    if not target.strip().isdigit():
+        return f"the worker id {target!r} is not a number"
+    if n and not (n.strip().isdigit() and int(n) > 0):
+        return f"the count {n!r} is not a positive number"
+    return Fault(what, int(target), int(n or 1))
+
+
+def armed() -> Fault | None:
+    """The fault to install in a worker: None unless both variables are set and well formed."""
+    value = os.environ.get(ENV)
+    if value is None or os.environ.get(ARMED_ENV) != "1":
+        return None
+    fault = parse(value)
+    return fault if isinstance(fault, Fault) else None
+
+
+def report_misuse() -> None:
+    """In the main process, once: a warning when ``ENV`` is set but does nothing."""
+    value = os.environ.get(ENV)
+    if value is None or _reported[0]:
+        return
+    if os.environ.get(ARMED_ENV) != "1":
+        why = (f"it is a fault hook of torchfeed's test suite, armed only together with "
+               f"{ARMED_ENV}=1, so workers are not killed. Unset {ENV}")
+    else:
+        problem = parse(value)
+        if isinstance(problem, Fault):
+            return
+        why = (f"{problem}, so no fault is armed. The form is <fault>:<worker id>[:<n>], "
+               f"e.g. {ENV}=slot:1:2")
+    _reported[0] = True
+    warnings.warn(f"torchfeed: {ENV}={value!r} is ignored: {why}.", RuntimeWarning, stacklevel=2)
+
+
+def _die(what: str = "") -> None:
+    # os.write, not print: the process may be inside a lock of sys.stderr's
+    os.write(2, (f"torchfeed: worker pid {os.getpid()} kills itself with SIGKILL: the "
+                 f"test-only fault hook {ENV}={os.environ.get(ENV, '')!r} "
+                 f"({ARMED_ENV}=1) fired at {what!r}.\n").encode())
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _Countdown:
     """Kills this process the ``n``-th time ``tick`` is called (from any thread)."""
 
-    def __init__(self, n: int) -> None:
-        self._left = n
+    def __init__(self, n: int, what: str) -> None:
+        self._left, self._what = n, what
         self._lock = threading.Lock()  # the feeder thread and the main thread may both tick
 
     def tick(self) -> None:
         with self._lock:
             self._left -= 1
             if self._left == 0:
-                _die()
+                _die(self._what)
 
 
 class _DyingLock:
@@ -101,14 +167,14 @@ class _DyingFlag:
 
 
 def install(spec, worker_id: int, index_queue, result_queue, results, packer) -> None:
-    """Arm the fault named by ``ENV`` in this worker, if it names this worker."""
-    what, _, rest = os.environ[ENV].partition(":")
-    target, _, n = rest.partition(":")
-    if what not in KINDS:
-        raise ValueError(f"{ENV}={os.environ[ENV]!r}: the fault must be one of {', '.join(KINDS)}")
-    if int(target) != worker_id:
+    """Arm the fault named by ``ENV`` in this worker, if the tests armed it
+    (``ARMED_ENV``) and it names this worker; else nothing (the main process
+    reports a stray or malformed value, ``report_misuse``)."""
+    fault = armed()
+    if fault is None or fault.worker_id != worker_id:
         return
-    countdown = _Countdown(int(n or 1))
+    what = fault.what
+    countdown = _Countdown(fault.n, what)
     if what == "stop-flag":
         spec.stopping = _DyingFlag(spec.stopping, countdown)
     elif what == "index-lock":

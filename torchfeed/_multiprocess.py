@@ -110,7 +110,6 @@ class MultiProcessIterator(BaseIterator):
             ships_state=self._stream.ships_state, shared_seed=self._stream.shared_seed)
         self._spec = spec
         _live_iterators.add(self)
-        _page_lock.releaser.quiesce()  # no thread of ours alive at the fork, as in torch
         try:
             for worker_id in range(self._num_workers):
                 self._start_worker(ctx, spec, worker_id)

@@ -108,7 +108,15 @@ class PinMemoryThread:
         self.busy_seconds = 0.0
         self.thread = threading.Thread(target=self._run, name="torchfeed-pin-memory",
                                        daemon=True)
-        self.thread.start()
+        try:
+            self.thread.start()
+        except RuntimeError as exc:  # "can't start new thread": Python's sentence first
+            raise RuntimeError(
+                f"{exc}\nDataLoader could not start its pin-memory thread (pin_memory=True "
+                "or device=...): this process has reached its limit of threads (ulimit -u, "
+                "or a container's pids limit). Raise the "
+                "limit, use fewer workers or loaders at once, or pass pin_memory=False and "
+                "device=None.") from None
 
     def _run(self) -> None:
         import time

@@ -1,5 +1,18 @@
 """Worker processes: starting one (with its index queue and stack pipe) and stopping them all.
 
+NOTE [ No thread of ours at a fork ]
+Every worker, first start and restart alike, is started by ``launch_worker``,
+and only while ``_alone_for_fork`` holds: torch's loader forks its workers
+with only the main thread alive, and a fork from a process with threads can
+deadlock the child on a lock another thread held (Python 3.12 warns at every
+such fork).  Before the fork it waits for a running reading of the workers'
+memory (``_worker_costs.finish_readings``), runs the page-locked slots'
+pending releases and ends their thread (``_releaser.Releaser.no_thread``,
+which starts no new one until the fork is done: a release deferred
+meanwhile waits), and says once if the test-only fault hook is set in vain
+(``_fault_hook.report_misuse``).  The iterator's own pin-memory thread is
+started after its workers, and stopped before a restart (``_restart.py``).
+
 NOTE [ Shutdown ]
 Workers are told to stop with ``None`` on their index queue and given one
 shared second to leave, then terminated, then killed: never 5 s per worker,
@@ -41,6 +54,7 @@ added only where the server would import that same file (``_server_finds``);
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.machinery
 import multiprocessing.forkserver
@@ -53,10 +67,12 @@ import time
 import warnings
 import weakref
 
+from . import _fault_hook
 from ._ipc import IndexQueue
 from ._pickling import describe_unpicklable
 from ._stack_dump import StackPipe
 from ._torch_compat import WARNS_OF_PICKLE_ERROR
+from ._transport import _page_lock
 from ._worker import WorkerSpec, worker_loop
 from ._worker_costs import finish_readings
 
@@ -77,6 +93,21 @@ _TORCH_PICKLE_WARNING = (  # torch's, word for word
     "You can also try multiprocessing.set_start_method('fork').")
 
 
+@contextlib.contextmanager
+def _alone_for_fork():
+    """No thread of torchfeed's alive while the block runs (NOTE [ No thread of
+    ours at a fork ]); a warning naming one that would not end."""
+    _fault_hook.report_misuse()
+    finish_readings()
+    releaser = _page_lock.releaser
+    with releaser.no_thread():
+        if releaser.running():
+            warnings.warn("torchfeed: forking a DataLoader worker while the thread that gives "
+                          "page-locked slots back still runs: a copy to the GPU from a slot "
+                          "has not finished in 30 s.", RuntimeWarning, stacklevel=4)
+        yield
+
+
 def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
     """Start worker ``worker_id``: ``(index_queue, stack_pipe, process)``.
 
@@ -85,9 +116,8 @@ def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
     index_queue = IndexQueue(ctx)
     stack_pipe = StackPipe(ctx)
     method = ctx.get_start_method() if hasattr(ctx, "get_start_method") else "?"
-    finish_readings()  # no thread of ours alive at the fork, as in torch
     try:
-        with _gc_pause_lock:
+        with _gc_pause_lock, _alone_for_fork():
             # A forked child inherits the pause and ends it once it has frozen
             # what it inherited; other methods start with the collector on.
             gc_enabled = gc.isenabled()

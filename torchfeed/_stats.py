@@ -338,7 +338,7 @@ def empty_stats(loader) -> LoaderStats:
 
 
 _NO_SHM: dict[str, Any] = {"slots": 0, "in_use": 0, "bytes": 0, "in_use_bytes": None, "reuse_bytes": 0,
-                           "worker_bytes": [], "slot_table": []}
+                           "page_locked_bytes": 0, "worker_bytes": [], "slot_table": []}
 
 
 def _idle_live(num_workers: int) -> dict:
@@ -357,5 +357,6 @@ def _shm_stats(raw: dict | None, last: dict) -> dict:
     return {"slots": int(raw.get("slots", 0)), "in_use": int(raw.get("in_use", 0)),
             "bytes": int(raw.get("bytes", 0)), "in_use_bytes": raw.get("in_use_bytes"),
             "reuse_bytes": int(raw.get("reuse_bytes", 0)),
+            "page_locked_bytes": int(raw.get("page_locked_bytes", 0)),
             "worker_bytes": list(raw.get("worker_bytes", ())),
             "slot_table": list(raw.get("slot_table", ()))}

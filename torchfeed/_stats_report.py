@@ -53,8 +53,10 @@ class LoaderStats(dict):
                                 else f", {human(m['in_use_bytes'])} in use")
                 reuse = (f", {human(m['reuse_bytes'])} kept for reuse"
                          if m.get("reuse_bytes") else "")
+                locked = (f", {human(m['page_locked_bytes'])} page-locked"
+                          if m.get("page_locked_bytes") else "")
                 lines.append(f"  shared memory       {m['in_use']} of {m['slots']} slots in use, "
-                             f"{human(m['bytes'])} allocated{in_use_bytes}{reuse}")
+                             f"{human(m['bytes'])} allocated{in_use_bytes}{reuse}{locked}")
             else:
                 lines.append("  shared memory       no slots")
             if s["pin_thread_busy_seconds"] is not None:

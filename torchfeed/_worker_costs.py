@@ -55,9 +55,13 @@ class MemoryReading:
         self.uss: list | None = None
         self._thread = threading.Thread(target=self._read, args=(list(pids),),
                                         name="torchfeed-memory", daemon=True)
+        # Listed only once started: a start that fails (``can't start new
+        # thread`` under a pids limit) raises here and leaves nothing that a
+        # later ``finish_readings`` would try to join.  Under the lock, so the
+        # thread cannot unlist itself before it is listed.
         with _readings_lock:
+            self._thread.start()
             _readings.add(self._thread)
-        self._thread.start()
 
     def _read(self, pids) -> None:
         try:

@@ -27,6 +27,7 @@ from faults_helpers import SURFACE_WITHIN, children_but_servers
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from torchfeed import DataLoader
+from torchfeed._fault_hook import ARMED_ENV
 from torchfeed._fault_hook import ENV as HOOK_ENV
 
 SAMPLES = 8        # batch_size 1, 2 workers: 4 tasks each per epoch, sent round-robin
@@ -71,6 +72,7 @@ def wait_dead(pid: int, within: float = SURFACE_WITHIN) -> None:
 
 def arm(monkeypatch, what: str, n: int, worker: int = HOOK_WORKER) -> None:
     monkeypatch.setenv(HOOK_ENV, f"{what}:{worker}:{n}")  # forked workers inherit it
+    monkeypatch.setenv(ARMED_ENV, "1")  # the second switch, which only tests set
 
 
 def run_until_error(loader, epochs: int):

@@ -1,6 +1,6 @@
 """Page-locked slots (CUDA): the main process's slot mappings registered with
-CUDA once each, and the releaser that hands a registered slot back to its
-worker only once no copy can still read it.
+CUDA once each, and the process's releaser (``_releaser.py``), which hands a
+registered slot back to its worker only once no copy can still read it.
 
 With ``pin_memory=True`` on a CUDA machine, the unpacker gives each slot it
 maps to :class:`SlotPins`, which registers the mapping with
@@ -40,18 +40,24 @@ later, and the worker makes another slot meanwhile if it needs one. The
 releaser's thread queries streams and records events; while another thread
 captures a CUDA graph with ``capture_error_mode="global"`` (torch's default)
 those calls are forbidden, so capture graphs before iterating, or with
-``capture_error_mode="thread_local"``.
+``capture_error_mode="thread_local"``. Should they fail, and
+``torch.cuda.synchronize()`` with them, nothing is freed: the releases wait
+for a later round, and are at last dropped, their slots kept, with a warning.
 
 A registered mapping is unregistered before its memory is given back
 (``_unpacker._punch``), before it is unmapped (the unpacker's close and a
 worker's restart hand the still-registered slots to the releaser, which
 unregisters them after a fence), and when the main process sees that the
-worker retired it. At interpreter exit whatever is left is unregistered.
+worker retired it: at the next batch from that worker (``SlotPins.sweep``).
+At interpreter exit whatever is left is unregistered. A failed
+``cudaHostRegister`` also resets CUDA's per-thread last error, which torch
+would otherwise raise at the thread's next kernel launch.
 """
 from __future__ import annotations
 
 import atexit
 import bisect
+import ctypes
 import os
 import threading
 import warnings
@@ -59,10 +65,10 @@ import warnings
 import torch
 
 from . import _slots
+from ._releaser import Releaser
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 ENV_DISABLE = "TORCHFEED_PAGE_LOCKED_SLOTS"  # "0": pin slot batches by copy, as before
-LINGER = 0.5  # seconds the releaser's thread waits for more work before it ends
 
 _lock = threading.RLock()  # RLock: a weakref callback may unregister while this thread holds it
 _registered: dict[int, int] = {}  # mapping address -> length, registered with CUDA
@@ -76,11 +82,41 @@ def wanted() -> bool:
     return os.environ.get(ENV_DISABLE, "1") != "0" and torch.cuda.is_available()
 
 
+_runtime: list = []  # [the process's libcudart through ctypes, or None], once looked up
+
+
+def _runtime_library():
+    """The CUDA runtime library torch loaded, through ctypes, or None (linked
+    statically, or not found): torch binds no ``cudaGetLastError``."""
+    if not _runtime:
+        found = None
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "libcudart" in line and "/" in line}
+            for path in sorted(paths):
+                found = ctypes.CDLL(path)  # the same handle as the copy already loaded
+                break
+        except (OSError, IndexError):
+            found = None
+        _runtime.append(found)
+    return _runtime[0]
+
+
+def _clear_last_error() -> None:
+    """Reset this thread's CUDA "last error" after a runtime call we failed on
+    purpose: torch checks ``cudaGetLastError`` after each kernel launch, and
+    would otherwise raise our stale error at the next launch in this thread."""
+    library = _runtime_library()
+    if library is not None:
+        library.cudaGetLastError()
+
+
 def register(shared_map) -> bool:
     """Page-lock ``shared_map`` (an ``_arena.SharedMap``); False, with one warning, if CUDA refuses."""
     rc = int(torch.cuda.cudart().cudaHostRegister(shared_map.addr, shared_map.length,
-                                                  _HOST_REGISTER_PORTABLE))
+                                        _HOST_REGISTER_PORTABLE))
     if rc != 0:
+        _clear_last_error()
         if not _warned[0]:
             _warned[0] = True
             warnings.warn(
@@ -104,15 +140,21 @@ def unregister(shared_map) -> None:
     _unregister_addr(shared_map.addr)
 
 
-def _unregister_addr(addr: int, _cuda=torch.cuda) -> None:
+def _unregister_addr(addr: int) -> None:
     with _lock:
         if _registered.pop(addr, None) is None:
             return
         del _starts[bisect.bisect_left(_starts, addr)]
     try:
-        _cuda.cudart().cudaHostUnregister(addr)
+        if int(torch.cuda.cudart().cudaHostUnregister(addr)) != 0:
+            _clear_last_error()
     except Exception:  # noqa: BLE001 - interpreter teardown; the process's end unpins anyway
         pass
+
+
+def locked_bytes(shared_map) -> int:
+    """The bytes of ``shared_map`` page-locked now (0: not registered)."""
+    return _registered.get(shared_map.addr, 0)
 
 
 def registered_bytes() -> int:
@@ -131,161 +173,11 @@ def owning_range(ptr: int) -> int | None:
     return None
 
 
-def _has_context(device: int) -> bool:
-    check = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # private; absent: assume one
-    return True if check is None else bool(check(device))
+def _new_releaser() -> Releaser:
+    return Releaser(lambda addr: _registered.get(addr, 0))
 
 
-class _Job:
-    __slots__ = ("fn", "event")
-
-    def __init__(self, fn, event):
-        self.fn, self.event = fn, event
-
-
-class Releaser:
-    """Runs each queued function once the copies that may read its slot are done
-    (NOTE [ No slot reused while a copy may read it ]); one per process, its
-    thread started on demand and ended after ``LINGER`` seconds without work."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._jobs: list[_Job] = []
-        self._pending = 0  # queued or in a round not yet finished
-        self._thread: threading.Thread | None = None
-        self._local = threading.local()
-        self._streams: dict[int, list] = {}  # device index -> the streams torch hands out
-        self._quiescing = False  # end the thread as soon as nothing is queued
-        self.rounds = 0
-
-    # -- producers ------------------------------------------------------------
-    def copies_done_at(self, event, addrs) -> None:
-        """In this thread, from now until the next call, a slot at one of ``addrs``
-        released here was read only by copies that ``event`` follows."""
-        self._local.events = dict.fromkeys(addrs, event)
-
-    def forget_copies(self) -> None:
-        self._local.events = None
-
-    def defer(self, fn, addr: int | None = None) -> None:
-        """Run ``fn()`` in the releaser's thread once no copy can read the slot at ``addr``."""
-        events = getattr(self._local, "events", None)
-        event = events.get(addr) if events else None
-        with self._cond:
-            self._jobs.append(_Job(fn, event))
-            self._pending += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="torchfeed-slot-releaser",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def deferring(self, fn, addr: int):
-        """``fn`` as a weakref callback whose run waits for the fence."""
-        def release(ref):
-            self.defer(lambda: fn(ref), addr)
-        return release
-
-    def drain(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued function ran; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._pending == 0, timeout)
-
-    def quiesce(self, timeout: float = 30.0) -> None:
-        """Run what is queued and end the thread now, not ``LINGER`` later.
-
-        Called before workers are forked: torch's loader forks them with only
-        the main thread alive, and Python 3.12 warns at a fork from a process
-        with threads (a lock another thread holds is held for ever in the
-        child).  The wait is for copies already queued on the GPU, once per
-        ``iter()`` that starts workers, never per batch."""
-        with self._cond:
-            thread = self._thread
-            if thread is None:
-                return
-            self._quiescing = True
-            self._cond.notify_all()
-        thread.join(timeout)
-
-    # -- the thread -------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._jobs:
-                    if not self._quiescing:
-                        self._cond.wait(LINGER)
-                    if not self._jobs:
-                        self._thread = None
-                        self._quiescing = False
-                        return
-                jobs, self._jobs = self._jobs, []
-            done = self._round(jobs)
-            del jobs  # no slot's function kept alive while the thread waits
-            with self._cond:
-                self._pending -= done
-                self._cond.notify_all()
-
-    def _round(self, jobs: list[_Job]) -> int:
-        try:
-            self._fence(jobs)
-        except Exception:  # noqa: BLE001 - never free on a failed fence: wait for everything
-            try:
-                torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001 - CUDA is gone: nothing can read the slots
-                pass
-        for job in jobs:
-            try:
-                job.fn()
-            except Exception:  # noqa: BLE001 - a slot's release must not stop the others
-                pass
-        self.rounds += 1
-        return len(jobs)
-
-    def _fence(self, jobs) -> None:
-        events = [job.event for job in jobs if job.event is not None]
-        if any(job.event is None for job in jobs):
-            events.extend(self._stream_events())
-        for event in events:
-            event.synchronize()  # a blocking event: sleeps, without the GIL
-
-    def _stream_events(self) -> list:
-        events = []
-        for device in range(torch.cuda.device_count()):
-            if not _has_context(device):
-                continue  # no context: nothing was ever copied there
-            for stream in self._known_streams(device):
-                if stream.query():
-                    continue  # idle: everything enqueued on it is done
-                event = torch.cuda.Event(blocking=True)
-                event.record(stream)
-                events.append(event)
-        return events
-
-    def _known_streams(self, device: int) -> list:
-        """The default stream and every pooled stream torch hands out on ``device``."""
-        streams = self._streams.get(device)
-        if streams is None:
-            seen: dict[int, object] = {}
-            default = torch.cuda.default_stream(device)
-            seen[default.cuda_stream] = default
-            least, greatest = default.priority_range()
-            for priority in range(min(least, greatest), max(least, greatest) + 1):
-                # The pool is handed out round-robin: go round it twice, so that
-                # streams another thread takes meanwhile are still seen once.
-                first, size, calls = None, 0, 0
-                while calls < 1024 and (size == 0 or calls < 2 * size):
-                    stream = torch.cuda.Stream(device=device, priority=priority)
-                    calls += 1
-                    if first is None:
-                        first = stream.cuda_stream
-                    elif stream.cuda_stream == first and size == 0:
-                        size = calls - 1
-                    seen.setdefault(stream.cuda_stream, stream)
-            streams = self._streams[device] = list(seen.values())
-        return streams
-
-
-releaser = Releaser()
+releaser = _new_releaser()
 
 
 class SlotPins:
@@ -295,11 +187,19 @@ class SlotPins:
         """``entry`` (a new ``MainSlot``) was mapped, in place of ``replaced`` (or None)."""
         if replaced is not None:
             unregister(replaced.map)  # its worker retired it, after it was freed: no copy reads it
-        for idx, other in cache.items():
-            if states[idx] == _slots.RETIRED:
-                unregister(other.map)
+        self.sweep(cache, states)
         if register(entry.map):
             entry.release = releaser.deferring(entry.release, entry.map.addr)
+
+    @staticmethod
+    def sweep(cache: dict, states) -> None:
+        """Unregister the slots of ``cache`` that their worker retired: called at
+        each batch from that worker, so a retired slot's pages, which the worker
+        punched out of its arena, are not held locked until the next slot or
+        the close. A retired slot was free first, so its fence has passed."""
+        for idx, other in tuple(cache.items()):
+            if states[idx] == _slots.RETIRED and other.map.addr in _registered:
+                unregister(other.map)
 
     def let_go(self, entry, held: bool, callback):
         """At close or renewal: the weakref callback for a batch still ``held`` (deferred
@@ -334,7 +234,7 @@ def _forget_in_child() -> None:
     _lock = threading.RLock()  # another thread may have held it at the fork
     _registered.clear()
     _starts.clear()
-    releaser = Releaser()
+    releaser = _new_releaser()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)

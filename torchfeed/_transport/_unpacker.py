@@ -78,6 +78,9 @@ class Unpacker:
         self.closed = False
         self.in_use = 0
         self.in_use_bytes = 0
+        # in_use is counted up in the pin thread (unpack) and down in whatever
+        # thread drops a batch, the releaser's included.
+        self._count_lock = threading.Lock()
         # While the loader is idle (after trim()), a released slot gives its
         # memory back if its worker already has a free one. Not while batches
         # flow: reusing slots is what makes the transport fast.
@@ -110,6 +113,8 @@ class Unpacker:
             entry = self._cache[w][idx] = self._map(w, idx, uid, off, cap)
             if self.pins is not None:
                 self.pins.adopt(entry, replaced, self._cache[w], self._ctrl[w].states)
+        elif self.pins is not None:
+            self.pins.sweep(self._cache[w], self._ctrl[w].states)
         return entry
 
     # -- where a slot is first mapped here, and where its pages go -------------
@@ -153,8 +158,7 @@ class Unpacker:
         def release(_ref):
             self_ = me()
             if self_ is not None:
-                self_.in_use -= 1
-                self_.in_use_bytes -= cap
+                self_.count_in_use(-1, -cap)
                 cache = self_._cache[w] if not self_.closed else {}
                 entry = cache.get(idx)
                 if self_.idle or w in self_._resting:
@@ -221,10 +225,14 @@ class Unpacker:
         entry.ref = weakref.ref(owner, entry.release)
         self.idle = False
         self._resting.discard(w)
-        self.in_use += 1
-        self.in_use_bytes += entry.cap
+        self.count_in_use(1, entry.cap)
         self.unpacked += 1
         return _layout.load(data, descs, owner)
+
+    def count_in_use(self, batches: int, nbytes: int) -> None:
+        with self._count_lock:
+            self.in_use += batches
+            self.in_use_bytes += nbytes
 
     def _plain(self, payload):
         if type(payload) is Inline:
@@ -253,7 +261,8 @@ class Unpacker:
         mapped, as ``(worker, index, bytes, state, warm bytes)``, state one of
         ``SLOT_STATES``; ``reuse_bytes`` is what the free ones keep for their
         workers' next batches (``_slots.warm_bytes``), ``released_bytes`` the
-        pages given back from free slots so far."""
+        pages given back from free slots so far; ``page_locked_bytes`` the bytes of
+        the mapped slots page-locked with CUDA now (``_page_lock.py``)."""
         tot: dict[str, Any] = {"slots": 0, "bytes": 0, "allocations": 0, "retired": 0, "packed": 0,
                "worker_fallbacks": 0, "direct_bytes": 0, "worker_bytes": [], "slot_table": [],
                "reuse_bytes": 0}
@@ -276,7 +285,11 @@ class Unpacker:
                     if state in ("free", "cold"):
                         tot["reuse_bytes"] += warm
                     tot["slot_table"].append((w, idx, entry.cap, state, warm))
+        locked = 0
+        if self.pins is not None and not self.closed:
+            locked = sum(_page_lock.locked_bytes(e.map) for c in self._cache for e in tuple(c.values()))
         tot.update(transport="shm", in_use=self.in_use, in_use_bytes=self.in_use_bytes,
+                   page_locked_bytes=locked,
                    unpacked=self.unpacked, fallbacks=self.fallbacks, closed=self.closed,
                    released_bytes=self.released_bytes)
         return tot
@@ -341,8 +354,7 @@ def _punch_on_release(shared_map, key, unpacker=None, cap=0):
         _HELD_AFTER_CLOSE.pop(key, None)
         self_ = unpacker() if unpacker is not None else None
         if self_ is not None:
-            self_.in_use -= 1
-            self_.in_use_bytes -= cap
+            self_.count_in_use(-1, -cap)
         try:
             _page_lock.unregister(shared_map)
             shared_map.remove()
