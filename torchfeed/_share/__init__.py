@@ -80,7 +80,7 @@ def share_here(obj, name: str | None):
         return share_tensor(obj)
     if isinstance(obj, (list, tuple, dict)):
         raise TypeError(
-            f"torchfeed.share: a {kind.__name__} is a {_base_name(obj)} subclass, whose own "
+            f"torchfeed.share: {kind.__name__} is a {_base_name(obj)} subclass, whose own "
             f"behaviour a shared {_base_name(obj)} would lose; share {_base_name(obj)}(x) "
             f"if that behaviour is not needed, or leave it unshared.")
     raise TypeError(f"torchfeed.share takes {SHAREABLE} (or a callable returning one), "
