@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -54,6 +55,23 @@ class SharedRecords(Dataset):
 
     def __getitem__(self, i):
         return torch.tensor([self.records[i]["id"], memory_of(self.records)[1]])
+
+
+class DiesMidRead(SharedRecords):
+    """``SharedRecords`` whose worker SIGKILLs itself once, between reading
+    record ``die_at`` out of the shared memory and returning it (``marker``: a
+    file that says it already died)."""
+
+    def __init__(self, recs, marker: str, die_at: int):
+        super().__init__(recs)
+        self.marker, self.die_at = marker, die_at
+
+    def __getitem__(self, i):
+        record = self.records[i]
+        if i == self.die_at and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.tensor([record["id"], memory_of(self.records)[1]])
 
 
 def main_that_gets_killed(name: str, n: int) -> None:

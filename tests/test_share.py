@@ -28,7 +28,7 @@ import psutil
 import pytest
 import torch
 from loader_helpers import launch_in_own_session
-from share_helpers import SharedRecords, identity, memory_of, records, report
+from share_helpers import DiesMidRead, SharedRecords, identity, memory_of, records, report
 
 import torchfeed
 from torchfeed._share import SharedArray, is_shared, shared_nbytes
@@ -422,3 +422,22 @@ def test_readme_example_runs_as_written(tmp_path):
     assert re.fullmatch(r"18 MiB shared; a spawned worker receives \d{3} bytes of it", lines[1])
     assert lines[2].startswith("'SharedSequence' object does not support append: this list is "
                                "shared read-only between processes")
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_mid_read_holds_nothing_back(tmp_path):
+    """NOTE [ Cross-process primitives ]: a worker that dies while it reads a
+    shared container leaves the others reading it, and nothing of it behind."""
+    name = unique("midread")
+    shared = torchfeed.share(records(64), name=name)
+    before = len(holders(name))
+    loader = torchfeed.DataLoader(DiesMidRead(shared, str(tmp_path / "died"), die_at=21),
+                                  batch_size=8, num_workers=2, max_worker_restarts=1)
+    with pytest.warns(RuntimeWarning, match="killed by signal SIGKILL.*restarted it"):
+        batches = list(loader)
+    assert (tmp_path / "died").exists()
+    assert torch.cat([b[:, 0] for b in batches]).tolist() == list(range(64))
+    assert shared == records(64)
+    del loader, batches
+    gc.collect()
+    assert len(holders(name)) == before  # this process's descriptor and mapping only
