@@ -8,7 +8,9 @@ Shares a list (through a callable), a dict, a numpy array and a tensor with
 OUT_DIR/rank{RANK}.json: for each, the identity of the memory this rank maps
 (device and inode of its descriptor), whether this rank built it, whether the
 values are right, and for the list the Rss and Pss of its mapping after every
-rank read every item (two ranks mapping one copy each have Pss = Rss / 2).
+rank read every item (two ranks mapping one copy each have Pss = Rss / 2),
+and the errors every rank gets when the building rank fails or the ranks
+give different names.
 """
 import json
 import os
@@ -88,6 +90,16 @@ def main():
 
     alone = torchfeed.share(records())  # no name: this rank's own copy, no collective
     res["unnamed"] = {"memory": identity(alone._buffer.fd)}
+
+    errors = {}
+    for case, args in {"builder-fails": (lambda: {"key": lambda: 0}, f"{tag}-fails"),
+                       "names-differ": (records, f"{tag}-name{rank}")}.items():
+        try:
+            torchfeed.share(args[0], name=args[1])
+            errors[case] = None
+        except (TypeError, ValueError, RuntimeError) as exc:
+            errors[case] = f"{type(exc).__name__}: {exc}"
+    res["errors"] = errors
 
     Path(out, f"rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()

@@ -160,6 +160,20 @@ def test_dict_keys_hash_alike_in_another_process():
     assert out.stdout.split() == ["SharedMapping", "True", "True"], out.stderr
 
 
+def test_dict_built_where_numbers_hash_differently_is_reindexed():
+    """A pickle from a platform whose hash modulus differs (32-bit) loads with a new index."""
+    from torchfeed._share._buffer import HEADER, _buffer_from_bytes
+
+    shared = torchfeed.share(defaultdict(list, {10**12: [1], "a": [2]}))
+    raw = bytearray(shared._buffer.view)
+    fields = list(HEADER.unpack_from(raw, 0))
+    fields[-1] = 2**31 - 1
+    HEADER.pack_into(raw, 0, *fields)
+    again = torchfeed.SharedMapping._attach(_buffer_from_bytes(bytes(raw)), list)
+    assert again == shared and again[10**12] == [1] and again["b"] == []
+    assert again._buffer.header.hash_modulus == sys.hash_info.modulus
+
+
 def test_defaultdict_keeps_its_default():
     shared = torchfeed.share(defaultdict(list, {1: [2]}))
     assert shared[1] == [2] and shared[5] == [] and 5 not in shared and len(shared) == 1
@@ -402,6 +416,13 @@ def test_two_ranks_on_one_host_map_one_copy(tmp_path):
     assert r0["unnamed"]["memory"] != r1["unnamed"]["memory"]  # no name: each its own
     # the callable ran on the building rank only
     assert (r0["list"]["built"], r1["list"]["built"]) == (True, False)
+    # an error on the building rank reaches every rank, so none is left in a collective
+    assert r0["errors"]["builder-fails"].startswith("TypeError: torchfeed.share: the value of")
+    assert r1["errors"]["builder-fails"].startswith(
+        "RuntimeError: torchfeed.share(name=") and "rank 0 of the group" in r1["errors"]["builder-fails"]
+    for r in (r0, r1):
+        assert r["errors"]["names-differ"].startswith("ValueError: torchfeed.share: the ranks "
+                                                      "called share with different names")
     # one copy between them: each maps every page, and each page counts half to each
     nbytes = r0["list"]["nbytes"]
     for r in (r0, r1):

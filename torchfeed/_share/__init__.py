@@ -50,7 +50,7 @@ def share(obj, *, name: str | None = None, group=None):
     if isinstance(obj, (SharedSequence, SharedMapping)) or _is_shared_array(obj):
         return obj
     if name is not None and not isinstance(name, str):
-        raise TypeError(f"torchfeed.share: name must be a str or None, not {type(obj).__name__}")
+        raise TypeError(f"torchfeed.share: name must be a str or None, not {type(name).__name__}")
     if name is not None and _ranks.distributed(group):
         return _ranks.share_across_ranks(obj, name, group, share_here)
     return share_here(obj, name)
