@@ -28,7 +28,15 @@ import psutil
 import pytest
 import torch
 from loader_helpers import launch_in_own_session
-from share_helpers import DiesMidRead, SharedRecords, identity, memory_of, records, report
+from share_helpers import (
+    DiesMidRead,
+    SharedRecords,
+    identity,
+    memory_of,
+    private_growth_reading,
+    records,
+    report,
+)
 
 import torchfeed
 from torchfeed._share import SharedArray, is_shared, shared_nbytes
@@ -349,6 +357,35 @@ def test_child_processes_map_the_same_memory(method):
     back = queue.get(timeout=30)
     assert back == shared_list and memory_of(back) == memory_of(shared_list)
     queue.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_reading_copies_nothing_into_the_reader(method):
+    """Copy-on-read: a forked child reading every dict of a plain list copies
+    the pages it touches (reference counts); reading a shared one writes no
+    shared page, so the child's private memory stays flat."""
+    n = 100_000
+    plain = records(n)
+    shared = torchfeed.share(plain)
+    ctx = mp.get_context(method)
+    growth = {}
+    for label, data in (("shared", shared), ("plain", plain)):
+        if label == "plain" and method != "fork":
+            continue  # spawn pickles a plain list whole before the child starts reading
+        queue = ctx.Queue()
+        child = ctx.Process(target=private_growth_reading, args=(data, queue))
+        child.start()
+        try:
+            growth[label], total = queue.get(timeout=90)
+        finally:
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+        assert total == 2 * sum(range(n))
+    assert growth["shared"] < 4 * 2**20, growth
+    if method == "fork":  # the premise: the same reads of the plain list do copy
+        assert growth["plain"] > 20 * 2**20, growth
 
 
 @pytest.mark.timeout(120)
