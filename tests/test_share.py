@@ -288,6 +288,16 @@ def test_bad_input_is_named_and_leaves_nothing(bad, message):
     assert my_share_fds() == before
 
 
+def test_group_needs_a_name_and_an_initialized_process_group():
+    with pytest.raises(TypeError, match="group= shares across ranks under a name; pass name="):
+        torchfeed.share([1], group=object())
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        torchfeed.share([1], name="x", group=object())
+    with pytest.raises(TypeError, match="name must be a str or None, not int"):
+        torchfeed.share([1], name=3)
+
+
 def test_memory_is_freed_with_the_last_reference():
     name = unique("freed")
     shared = torchfeed.share(records(1000), name=name)

@@ -51,6 +51,9 @@ def share(obj, *, name: str | None = None, group=None):
         return obj
     if name is not None and not isinstance(name, str):
         raise TypeError(f"torchfeed.share: name must be a str or None, not {type(name).__name__}")
+    if group is not None and name is None:
+        raise TypeError("torchfeed.share: group= shares across ranks under a name; pass "
+                        "name= too (the same on every rank)")
     if name is not None and _ranks.distributed(group):
         return _ranks.share_across_ranks(obj, name, group, share_here)
     return share_here(obj, name)
