@@ -50,7 +50,6 @@ PICKLE_PROTOCOL = 5
 # Records are pickled into memory and moved into the memfd in pieces of about
 # this size, so building a buffer holds at most this much besides the buffer.
 FLUSH_BYTES = 32 << 20
-_FLUSH_CHECK_EVERY = 0x0FFF  # items between two size checks (a mask)
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
@@ -101,7 +100,7 @@ class BufferWriter:
                 note(base + where())
                 dump(item)
                 forget()
-                if not position & _FLUSH_CHECK_EVERY and where() >= FLUSH_BYTES:
+                if where() >= FLUSH_BYTES:
                     base = self._flush(pending)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise _Unpicklable(position, exc) from exc
