@@ -434,7 +434,7 @@ def test_sigkilled_main_process_leaves_nothing():
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         assert left == [], f"processes left after the main process was killed: {left}"
         assert holders(name) == []
-        assert not [e for e in set(os.listdir("/dev/shm")) - before if name in e or "torchfeed" in e]
+        assert not [e for e in set(os.listdir("/dev/shm")) - before if name in e]
     finally:
         try:
             os.killpg(main.pid, signal.SIGKILL)
