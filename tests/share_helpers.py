@@ -44,31 +44,18 @@ def report(shared_list, shared_dict, shared_array, shared_tensor, queue):
     })
 
 
-def private_besides_shared() -> int:
-    """This process's private memory (USS) outside torchfeed.share's buffers:
-    where copy-on-read's copies go. A buffer's pages count as private too
-    while this is the only process that has read them, but they are the one
-    shared copy, not a copy."""
-    total, counted = 0, True
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            first = line.split(None, 1)[0]
-            if "-" in first and not first.endswith(":"):
-                counted = "memfd:torchfeed-share" not in line
-            elif counted and first in ("Private_Clean:", "Private_Dirty:"):
-                total += int(line.split()[1]) * 1024
-    return total
-
-
 def private_growth_reading(recs, queue):
     """Read every record twice; put how much this process's private memory
-    besides shared buffers grew."""
-    before = private_besides_shared()
+    (USS, what stats() and the copy-on-read warning read) grew."""
+    import psutil
+
+    me = psutil.Process()
+    before = me.memory_full_info().uss
     total = 0
     for _ in range(2):
         for item in recs:
             total += item["id"]
-    queue.put((private_besides_shared() - before, total))
+    queue.put((me.memory_full_info().uss - before, total))
 
 
 class SharedRecords(Dataset):

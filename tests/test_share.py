@@ -374,7 +374,9 @@ def test_child_processes_map_the_same_memory(method):
 def test_reading_copies_nothing_into_the_reader(method):
     """Copy-on-read: a forked child reading every dict of a plain list copies
     the pages it touches (reference counts); reading a shared one writes no
-    shared page, so the child's private memory stays flat."""
+    shared page, so the child's private memory (USS) stays flat, even though
+    it is the only reader: the process that built the buffer maps all of it,
+    so the pages the child maps count as shared."""
     n = 100_000
     plain = records(n)
     shared = torchfeed.share(plain)

@@ -133,7 +133,7 @@ class BufferWriter:
         os.ftruncate(self.fd, max(self._end, HEADER_BYTES))
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
         fd, self.fd = self.fd, -1
-        return SharedBuffer(fd)
+        return SharedBuffer(fd, populate=True)
 
     def abandon(self) -> None:
         if self.fd >= 0:
@@ -154,16 +154,22 @@ class SharedBuffer:
     ``nbytes``.
 
     Owns one descriptor, closed when the buffer is garbage; the mapping lives
-    on while any view of it does (``_arena.SharedMap``)."""
+    on while any view of it does (``_arena.SharedMap``).
+
+    The process that writes a buffer maps all of it at once (``populate``):
+    a page mapped by two processes counts as shared, so a worker that alone
+    reads some part of the buffer does not see that part in its private
+    memory (USS, what ``stats()`` and the copy-on-read warning read). Other
+    processes map pages as they read them."""
 
     __slots__ = ("fd", "nbytes", "address", "view", "header", "offsets", "_finalizer",
                  "__weakref__")
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, populate: bool = False):
         self.fd = fd
         self._finalizer = weakref.finalize(self, _close, fd)
         self.nbytes = os.fstat(fd).st_size
-        mapping = _arena.SharedMap(fd, self.nbytes, writable=False)
+        mapping = _arena.SharedMap(fd, self.nbytes, populate=populate, writable=False)
         self.address = mapping.addr
         self.view = memoryview(mapping.array)
         magic, kind, *rest = HEADER.unpack_from(self.view, 0)
@@ -225,7 +231,7 @@ def _buffer_from_bytes(data: bytes) -> SharedBuffer:
     except BaseException:
         writer.abandon()
         raise
-    return SharedBuffer(fd)
+    return SharedBuffer(fd, populate=True)
 
 
 reduction.ForkingPickler.register(SharedBuffer, SharedBuffer.reduce_for_process)
