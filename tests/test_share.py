@@ -279,6 +279,7 @@ def _readlink(path):
     (namedtuple("P", "x")(1), "P is a tuple subclass"),
     ({1, 2}, "torchfeed.share takes a list, tuple, dict, numpy array or CPU tensor"),
     (lambda: "text", "or a callable returning one\\), not a str"),
+    ([1, torchfeed.share([2])], "item 1 of the list cannot be pickled: a shared container cannot hold another"),
 ])
 def test_bad_input_is_named_and_leaves_nothing(bad, message):
     before = my_share_fds()

@@ -29,6 +29,7 @@ loads anywhere, into a new buffer.
 
 from __future__ import annotations
 
+import copyreg
 import fcntl
 import io
 import os
@@ -91,6 +92,7 @@ class BufferWriter:
         """Pickle each of ``items`` as one record (call once)."""
         pending = io.BytesIO()
         pickler = pickle.Pickler(pending, protocol=PICKLE_PROTOCOL)
+        pickler.dispatch_table = _RECORD_REDUCERS  # consulted only for non-builtin types
         offsets: list[int] = []
         note, where, dump, forget = offsets.append, pending.tell, pickler.dump, pickler.clear_memo
         base = self._end
@@ -139,6 +141,11 @@ class BufferWriter:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _refuse_nested(buffer):
+    raise TypeError("a shared container cannot hold another one (each read would copy it "
+                    "into new shared memory); share the plain data in one piece")
 
 
 def _close(fd: int) -> None:
@@ -235,3 +242,4 @@ def _buffer_from_bytes(data: bytes) -> SharedBuffer:
 
 
 reduction.ForkingPickler.register(SharedBuffer, SharedBuffer.reduce_for_process)
+_RECORD_REDUCERS = {**copyreg.dispatch_table, SharedBuffer: _refuse_nested}
