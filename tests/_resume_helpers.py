@@ -176,6 +176,14 @@ def close(loader) -> None:
         it._shutdown_workers()
 
 
+def disturb_rngs() -> None:
+    """Move torch's, numpy's and Python's global RNGs somewhere new, as a new process
+    would have them: a resume that does not load its state no longer matches."""
+    torch.manual_seed(987654321)
+    np.random.seed(98765)
+    random.seed(98765)
+
+
 def roundtrip(state: dict, how: str = "json", tmp_path=None) -> dict:
     if how == "json":
         return json.loads(json.dumps(state))
