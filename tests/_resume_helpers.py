@@ -192,6 +192,11 @@ def roundtrip(state: dict, how: str = "json", tmp_path=None) -> dict:
     return torch.load(path, weights_only=True)
 
 
+def _position(state: dict) -> dict:
+    return {k: state[k] for k in ("epoch", "epoch_finished", "batches_yielded",
+                                  "samples_yielded")}
+
+
 def check_resume(make, k: int, epochs: int, *, finished: bool = False, make_resumed=None,
                  restore_global: bool = True, before_epoch=None, how: str = "json",
                  tmp_path=None, current_epoch_only: bool = False):
@@ -206,6 +211,7 @@ def check_resume(make, k: int, epochs: int, *, finished: bool = False, make_resu
     torch.manual_seed(SEED)
     reference = make()
     full = run_epochs(reference, epochs, before_epoch)
+    where = _position(reference.state_dict())
     close(reference)
 
     torch.manual_seed(SEED)
@@ -250,6 +256,10 @@ def check_resume(make, k: int, epochs: int, *, finished: bool = False, make_resu
     else:
         got = run_epochs(resumed, epochs - epoch, before_epoch, start=epoch)
         expected = [full[epoch][j:]] + full[epoch + 1:]
+    # Where the resumed loader ends is where the uninterrupted one did: a resume that
+    # ignored the state would count its epochs from 0 (and, at an epoch's end with the
+    # global RNG put back, yield the same batches).
+    assert _position(resumed.state_dict()) == where, (_position(resumed.state_dict()), where)
     close(resumed)
     if not restore_global or current_epoch_only:  # only the epoch in progress is promised
         got, expected = got[:1], expected[:1]

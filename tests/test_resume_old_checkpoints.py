@@ -39,10 +39,14 @@ def _resume(name: str, state: dict) -> list:
     torch.manual_seed(987654321)  # a new process
     loader = make()
     loader.load_state_dict(state)
+    # What was loaded is the loader's state now (a state at an epoch's boundary, with
+    # the global RNG put back below, would otherwise yield the same batches unloaded).
+    assert loader.state_dict() == Checkpoint.read(state).as_dict()
     # the training loop's checkpoint puts the global RNG back, as Lightning does
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(saved["global_rng"])),
                                          dtype=torch.uint8))
     got = run_epochs(loader, len(saved["rest"]), before_epoch, start=saved["epoch"])
+    assert loader.state_dict()["epoch"] == saved["epoch"] + len(saved["rest"]) - 1
     close(loader)
     return got
 
