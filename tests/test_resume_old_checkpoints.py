@@ -149,3 +149,16 @@ def test_state_dict_writes_the_fields_the_value_reads():
     for state in states:
         assert set(state) == set(FIELDS)
         assert Checkpoint.read(state).as_dict() == state
+
+
+def test_a_state_holding_a_value_that_cannot_be_copied_is_refused_naming_it():
+    """A state holds plain values; one that holds a lock (not what state_dict() or its
+    json or torch.save round trip gives) is refused at the reading, with ValueError."""
+    import threading
+
+    state = _load("map_stateful_dataset_nw2_persistent")["state"]
+    state["worker_states"][0] = {"made": 4, "lock": threading.Lock()}
+    loader = CASES["map_stateful_dataset_nw2_persistent"][0]()
+    with pytest.raises(ValueError, match="cannot be copied .*lock.*plain values"):
+        loader.load_state_dict(state)
+    assert loader.state_dict()["epoch_start_rng"] is None  # nothing was loaded
