@@ -176,12 +176,25 @@ def close(loader) -> None:
         it._shutdown_workers()
 
 
+def disturb_rngs() -> None:
+    """Move torch's, numpy's and Python's global RNGs somewhere new, as a new process
+    would have them: a resume that does not load its state no longer matches."""
+    torch.manual_seed(987654321)
+    np.random.seed(98765)
+    random.seed(98765)
+
+
 def roundtrip(state: dict, how: str = "json", tmp_path=None) -> dict:
     if how == "json":
         return json.loads(json.dumps(state))
     path = os.path.join(str(tmp_path), "state.pt")
     torch.save(state, path)
     return torch.load(path, weights_only=True)
+
+
+def _position(state: dict) -> dict:
+    return {k: state[k] for k in ("epoch", "epoch_finished", "batches_yielded",
+                                  "samples_yielded")}
 
 
 def check_resume(make, k: int, epochs: int, *, finished: bool = False, make_resumed=None,
@@ -198,6 +211,7 @@ def check_resume(make, k: int, epochs: int, *, finished: bool = False, make_resu
     torch.manual_seed(SEED)
     reference = make()
     full = run_epochs(reference, epochs, before_epoch)
+    where = _position(reference.state_dict())
     close(reference)
 
     torch.manual_seed(SEED)
@@ -242,6 +256,10 @@ def check_resume(make, k: int, epochs: int, *, finished: bool = False, make_resu
     else:
         got = run_epochs(resumed, epochs - epoch, before_epoch, start=epoch)
         expected = [full[epoch][j:]] + full[epoch + 1:]
+    # Where the resumed loader ends is where the uninterrupted one did: a resume that
+    # ignored the state would count its epochs from 0 (and, at an epoch's end with the
+    # global RNG put back, yield the same batches).
+    assert _position(resumed.state_dict()) == where, (_position(resumed.state_dict()), where)
     close(resumed)
     if not restore_global or current_epoch_only:  # only the epoch in progress is promised
         got, expected = got[:1], expected[:1]

@@ -176,6 +176,7 @@ def test_finished_epoch_state_without_the_recorded_global_rng_still_loads():
     resumed = make_for("shuffle")()
     resumed.load_state_dict(old)
     assert len([ids(b) for b in resumed]) == L
+    assert resumed.state_dict()["epoch"] == 1  # the epoch after the saved one
     with pytest.raises(ValueError, match="'next_epoch_global_rng'"):
         make_for("shuffle")().load_state_dict(dict(state, next_epoch_global_rng="AAAA"))
 

@@ -93,8 +93,18 @@ def _ctrl_c(worker_pids):
     os.kill(os.getpid(), signal.SIGINT)
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """The test's premise: SIGINT raises KeyboardInterrupt in this process, as in a
+    terminal, even when pytest was started with SIGINT ignored (a job started with &
+    from a script inherits that); the workers forked below inherit it too."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.timeout(30)
-def test_keyboard_interrupt_in_main_process(snapshot):
+def test_keyboard_interrupt_in_main_process(snapshot, ctrl_c_raises):
     loader = torchfeed.DataLoader(SleepDataset(1000, delay=0.02), batch_size=2, num_workers=2)
     it = iter(loader)
     workers = [p.pid for p in live_children() if p.pid not in snapshot.children]

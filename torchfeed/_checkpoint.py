@@ -8,19 +8,26 @@ field; it returns a frozen ``Checkpoint`` whose fields are the format's keys
 (described in ``_state.py``).  Every later step (``_state_validation.fit``,
 the plan, the replay, the resume at ``iter()``) takes that value, never the
 dict.  ``as_dict`` gives the format back, as ``state_dict()`` writes it, so a
-state loaded and asked for again is the same dict.
+state loaded and asked for again is the same dict, in today's format.
 
 Fields added within version 1 (``next_epoch_global_rng``, ``next_epoch_host_rng``,
 ``sampler``, ``iterator_states``, ``dataset_state``) read as None when absent:
-checkpoints written before them still load.
+checkpoints written before them still load, and are given back with those
+fields None (which reads as the same ``Checkpoint``).
+
+The value owns what it holds: ``read`` deep-copies the nested values it keeps
+(RNG states, the sampler's, the datasets' and the iterators' states) and
+``as_dict`` returns a fresh copy, so a caller that changes the dict it loaded,
+or the one it was given back, changes nothing in the loader.
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -47,7 +54,7 @@ _OPTIONAL = {"next_epoch_global_rng": "str or None", "sampler": "str or None",
              "iterator_states": "list or None", "dataset_state": "dict or None"}
 
 
-def fail(message: str):
+def fail(message: str) -> NoReturn:
     raise ValueError(f"cannot load this DataLoader state: {message}")
 
 
@@ -184,7 +191,7 @@ class Checkpoint:
             worker_states=None if ws is None else tuple(ws),
             iterator_states=None if its is None else tuple(its),
             exhausted_workers=tuple(fields["exhausted_workers"]))
-        return cls(**values)
+        return cls(**_owned(values))
 
     def as_dict(self) -> dict:
         """The state dict of this checkpoint, as ``state_dict()`` writes it."""
@@ -201,10 +208,20 @@ class Checkpoint:
             if out[name] is not None:
                 out[name] = list(out[name])
         out["exhausted_workers"] = list(self.exhausted_workers)
-        return out
+        return copy.deepcopy(out)  # the caller's to change
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Checkpoint))  # the format's keys
+
+
+def _owned(values: dict) -> dict:
+    """``values`` deep-copied: the checkpoint shares nothing with the caller's dict."""
+    try:
+        return copy.deepcopy(values)
+    except Exception as exc:  # whatever a user's state holds may refuse
+        fail(f"it holds a value that cannot be copied ({type(exc).__name__}: {exc}); a "
+             "state holds plain values (what state_dict() returns, or its json or "
+             "torch.save round trip)")
 
 
 def _type_ok(value, expected: str) -> bool:

@@ -46,5 +46,11 @@ def _print_workers(pids):
 
 
 if __name__ == "__main__":
+    # The premise of the tests that interrupt this script: Ctrl-C raises
+    # KeyboardInterrupt and SIGTERM ends it, as in a terminal, even when whoever
+    # started pytest ignored them (a job started with & from a script ignores SIGINT,
+    # and a child inherits what its parent ignores).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     kind, persistent, pin, action = sys.argv[1:]
     run(kind, persistent == "1", pin == "1", action, _print_workers)

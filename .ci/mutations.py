@@ -1,0 +1,237 @@
+"""Mutation check: each core behaviour, disabled in a throwaway copy, makes a test fail.
+
+    python .ci/mutations.py            # every mutation (CI runs this)
+    python .ci/mutations.py NAME ...   # some of them; --list names them
+
+A test that passes whatever the code does is a defect (issue 36).  For each
+mutation below, the package and its tests are copied to a temporary directory,
+one exact piece of text in one module is replaced (the behaviour is switched
+off), and a few targeted tests run against the copy.  The mutation must make
+them fail: with ``each``, every listed test must fail, else at least one.  A
+control run of every listed test against the unmutated copy comes first and
+must pass, so a failure is the mutation's doing.  If a mutation's text is no
+longer in its module, the check fails and says so: update the mutation with
+the code.
+
+Every pytest here starts with SIGINT ignored, as a job started with ``&`` from
+a script does: the Ctrl-C tests must make sure of their own premise.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COPIED = ("torchfeed", "tests", "setup.cfg", "conftest.py", "pyproject.toml", "pytest.ini")
+RUN_LIMIT_S = 300  # one pytest run; the tests' own timeouts are far shorter
+
+EPOCH_BOUNDARY = "tests/test_resume_epoch_boundary.py"
+OLD_CHECKPOINTS = "tests/test_resume_old_checkpoints.py"
+MAIN_DEATH = "tests/faults/test_faults_main_death.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    why: str      # the behaviour switched off
+    module: str   # relative to the repository root
+    old: str      # must occur exactly once in the module
+    new: str
+    tests: tuple[str, ...]
+    each: bool = False  # every listed test must fail, not just one
+
+
+MUTATIONS = (
+    Mutation(
+        "load-state-noop", "resume: load_state_dict reads the state and applies nothing",
+        "torchfeed/_state.py",
+        "    checkpoint = Checkpoint.read(state)  # the one reading of the dict\n",
+        "    Checkpoint.read(state)\n    return\n",
+        (f"{EPOCH_BOUNDARY}::test_two_epochs_then_two_more_equal_four_epochs",
+         "tests/test_resume.py::test_batch_sampler_resumes_exactly"),
+        each=True),
+    Mutation(
+        "epoch-end-rng-ignored", "resume: a state at an epoch's end puts no global RNG back",
+        "torchfeed/_state.py",
+        "                     global_rng=cp.next_epoch_global_rng,\n",
+        "                     global_rng=None,\n",
+        (EPOCH_BOUNDARY,)),
+    Mutation(
+        "optional-field-required", "old checkpoints: a field added within version 1 is required",
+        "torchfeed/_checkpoint.py",
+        "        fields = {**{f: None for f in _OPTIONAL}, **state}\n",
+        "        fields = dict(state)\n",
+        (f"{OLD_CHECKPOINTS}::test_a_checkpoint_without_a_later_field_resumes_exactly",)),
+    Mutation(
+        "checkpoint-aliases", "checkpoint: the loaded value shares the caller's nested dicts",
+        "torchfeed/_checkpoint.py",
+        "        return cls(**_owned(values))\n",
+        "        return cls(**values)\n",
+        (f"{OLD_CHECKPOINTS}::test_a_loaded_state_shares_nothing_with_its_dicts",)),
+    Mutation(
+        "checkpoint-gives-itself-away",
+        "checkpoint: the dict state_dict() gives back shares the loaded value's",
+        "torchfeed/_checkpoint.py",
+        "        return copy.deepcopy(out)  # the caller's to change\n",
+        "        return out\n",
+        (f"{OLD_CHECKPOINTS}::test_a_loaded_state_shares_nothing_with_its_dicts",)),
+    Mutation(
+        "out-of-order", "ordering: batches are yielded as they arrive, whatever in_order says",
+        "torchfeed/_multiprocess.py",
+        "            if send_idx != self._rcvd_idx:\n                if not self._in_order:\n",
+        "            if send_idx != self._rcvd_idx:\n                if True:\n",
+        ("tests/test_parity.py::test_in_order_slow_sample_keeps_order",)),
+    Mutation(
+        "worker-error-words", "error sentences: torch's sentence for a worker's exception",
+        "torchfeed/_errors.py",
+        'head = f"Caught {self.exc_name} in DataLoader worker process {self.worker_id}."',
+        'head = f"Caught {self.exc_name} in worker {self.worker_id}."',
+        ("tests/test_torch_errors.py::test_exception_in_a_worker_is_caught_in_torchs_words",)),
+    Mutation(
+        "dead-worker-words", "error sentences: torch's sentence for a dead worker",
+        "torchfeed/_errors.py",
+        'lines = [f"DataLoader worker (pid(s) {pids}) exited unexpectedly"]',
+        'lines = [f"DataLoader worker(s) {pids} died"]',
+        ("tests/test_torch_errors.py::test_every_dead_worker_is_in_torchs_pid_list",)),
+    Mutation(
+        "workers-take-ctrl-c", "shutdown: workers do not ignore Ctrl-C",
+        "torchfeed/_worker.py",
+        "    signal.signal(signal.SIGINT, signal.SIG_IGN)\n",
+        "",
+        (f"{MAIN_DEATH}::test_ctrl_c_exits_cleanly[map-fresh]",)),
+    Mutation(
+        "no-shutdown", "shutdown: an iterator never stops its workers",
+        "torchfeed/_multiprocess.py",
+        "        if self.shut_down:\n            return\n",
+        "        return\n",
+        ("tests/test_shutdown.py::test_deleting_a_persistent_loader_needs_no_garbage_collector",)),
+    Mutation(
+        "slot-reused-while-held",
+        "integrity: a worker writes into a slot whose batch the main process holds",
+        "torchfeed/_transport/_slots.py",
+        "(state == FREE or state == FILLING or state == COLD)",
+        "(state != PUNCHED)",
+        ("tests/test_transport.py::test_slot_stays_in_use_while_any_view_of_the_batch_lives",)),
+)
+
+
+# Tests whose premise the environment can remove, run in the control only: they must
+# pass in a pytest started with SIGINT ignored (each restores what it needs).
+PREMISES = ("tests/test_shutdown.py::test_keyboard_interrupt_in_main_process",)
+
+
+def _copy(dest: str) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in COPIED:
+        src = os.path.join(ROOT, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(dest, name), ignore=ignore)
+        elif os.path.exists(src):
+            shutil.copy2(src, dest)
+
+
+def _apply(dest: str, m: Mutation) -> None:
+    path = os.path.join(dest, m.module)
+    with open(path) as f:
+        text = f.read()
+    count = text.count(m.old)
+    if count != 1:
+        raise SystemExit(f"mutation {m.name}: its text occurs {count} times in {m.module}, "
+                         f"not once; update the mutation with the code:\n{m.old}")
+    with open(path, "w") as f:
+        f.write(text.replace(m.old, m.new))
+
+
+def _pytest(cwd: str, tests, stop_at_first: bool) -> tuple[int, str, float]:
+    """pytest on ``tests`` in ``cwd`` (its copy of torchfeed comes first on sys.path),
+    started with SIGINT ignored; (exit code, output, seconds)."""
+    start = "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.SIG_IGN); " \
+            "sys.exit(pytest.main(sys.argv[1:]))"
+    args = [sys.executable, "-c", start, "-q", "-rfE", "-p", "no:cacheprovider",
+            "-o", "addopts=", *(["-x"] if stop_at_first else []), *tests]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    began = time.monotonic()
+    try:
+        done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=RUN_LIMIT_S, start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
+            else (exc.stdout or "")
+        return -1, out + f"\n(pytest ran past {RUN_LIMIT_S} s)", time.monotonic() - began
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - began
+
+
+def _failed_ids(output: str) -> list[str]:
+    return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)
+
+
+def _check(m: Mutation, workdir: str) -> tuple[bool, str]:
+    dest = os.path.join(workdir, m.name)
+    os.makedirs(dest)
+    _copy(dest)
+    _apply(dest, m)
+    code, output, took = _pytest(dest, m.tests, stop_at_first=not m.each)
+    failed = _failed_ids(output)
+    if code == 1 and m.each:
+        missed = [t for t in m.tests if not any(f.startswith(t) for f in failed)]
+        ok = not missed
+        verdict = "every listed test failed" if ok else f"these passed: {missed}"
+    elif code == 1:
+        ok, verdict = True, f"{failed[0] if failed else 'a test'} failed"
+    elif code == 0:
+        ok, verdict = False, "every test passed: nothing guards this behaviour"
+    else:
+        ok, verdict = False, f"pytest exited {code} (not a test failure)"
+    tail = "" if ok else "\n" + "\n".join(output.splitlines()[-25:])
+    return ok, f"{'ok  ' if ok else 'FAIL'} {m.name} ({took:.0f} s): {m.why}: {verdict}{tail}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="name the mutations and stop")
+    args = parser.parse_args()
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name}: {m.why}")
+        return 0
+    unknown = set(args.names) - {m.name for m in MUTATIONS}
+    if unknown:
+        parser.error(f"no mutation named {', '.join(sorted(unknown))}; see --list")
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    workdir = tempfile.mkdtemp(prefix="torchfeed-mutations-")
+    try:
+        control = os.path.join(workdir, "control")
+        os.makedirs(control)
+        _copy(control)
+        tests = list(dict.fromkeys([*PREMISES, *(t for m in chosen for t in m.tests)]))
+        code, output, took = _pytest(control, tests, stop_at_first=False)
+        if code != 0:
+            print(output)
+            print(f"FAIL control: the targeted tests do not pass unmutated (exit {code})")
+            return 1
+        print(f"ok   control ({took:.0f} s): {len(tests)} targeted test ids pass unmutated")
+        # Two at a time: most of a run is waiting on worker processes.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda m: _check(m, workdir), chosen))
+        for ok, line in results:
+            print(line)
+        bad = sum(not ok for ok, _ in results)
+        print(f"{len(results) - bad} of {len(results)} mutations caught")
+        return 1 if bad else 0
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.exit(main())
