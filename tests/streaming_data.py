@@ -34,6 +34,19 @@ def use_torchvision_shim() -> None:
             "one built for this torch.") from exc
 
 
+def drop_torchvision_shim() -> None:
+    """Take the stand-in off ``sys.path`` and out of ``sys.modules`` again, so that
+    a later test in the same process (Lightning, transformers' Trainer) finds no
+    torchvision instead of one that raises.  The libraries already imported keep
+    the names they took from it."""
+    while SHIM in sys.path:
+        sys.path.remove(SHIM)
+    for name, module in list(sys.modules.items()):
+        if (name == "torchvision" or name.startswith("torchvision.")) and \
+                (getattr(module, "__file__", None) or "").startswith(SHIM):
+            del sys.modules[name]
+
+
 def sample(i: int) -> dict:
     return {"x": i, "v": np.full(4, i, np.float32)}
 
