@@ -156,6 +156,7 @@ def _block(monkeypatch, *modules):
         monkeypatch.setitem(sys.modules, module, None)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(90)
 def test_missing_peer_or_workload_package_is_a_one_line_note(monkeypatch):
     _block(monkeypatch, "spdl.dataloader", "datasets")

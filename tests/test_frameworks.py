@@ -197,6 +197,7 @@ def _launch(cmd, timeout, env=None):
     return launch_in_own_session(cmd, timeout, env)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_accelerate_two_processes_keep_torchfeed_and_resume(tmp_path):
     pytest.importorskip("accelerate", reason="Accelerate is not installed (the [test] extra has it)")
@@ -275,6 +276,7 @@ def test_state_dict_of_a_loader_a_framework_replaced_warns(monkeypatch, fresh_wa
         torchfeed.DataLoader(Ids(), batch_size=4, sampler=sampler).state_dict()
 
 
+@pytest.mark.long
 # -- Ray Train: 2 CPU workers, a failure, a restart ------------------------------------
 @pytest.mark.timeout(300)
 def test_ray_train_keeps_torchfeed_and_resumes_exactly_after_a_failure(tmp_path):

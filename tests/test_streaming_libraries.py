@@ -65,6 +65,7 @@ def _run(loader_cls, dataset, epochs=2, **kwargs):
     return out, said
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lib", LIBS)
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -160,6 +161,7 @@ def _fresh_process(lib, root, cases, tmp_path):
     return json.loads(out_path.read_text())
 
 
+@pytest.mark.long
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("lib", LIBS)
 def test_mid_epoch_resume_in_a_fresh_process(data, lib, tmp_path):

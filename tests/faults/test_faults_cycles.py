@@ -29,6 +29,7 @@ def _counts():
             "children": len(children_but_servers(me)), "shm": len(own_shm_entries())}
 
 
+@pytest.mark.long
 @pytest.mark.timeout(170)
 def test_300_create_iterate_delete_cycles_stay_flat(monkeypatch):
     monkeypatch.setenv("TORCHFEED_PIN_THREAD_WITHOUT_ACCELERATOR", "1")
@@ -65,6 +66,7 @@ def test_300_create_iterate_delete_cycles_stay_flat(monkeypatch):
     assert grown < 0.10, f"RSS grew {grown:.1%} over {300 - WARM_UP} cycles"
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_soak_50000_batches_rss_flat():
     dataset = make_dataset("map", n=50_000 * 8)
