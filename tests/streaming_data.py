@@ -23,6 +23,7 @@ def use_torchvision_shim() -> None:
     spawn and forkserver children get the parent's sys.path, so they import it too."""
     if importlib.util.find_spec("torchvision") is None:
         if SHIM not in sys.path:
+            _check_for_torchvision_before_the_shim()
             sys.path.insert(0, SHIM)
         return
     try:
@@ -32,6 +33,29 @@ def use_torchvision_shim() -> None:
             f"torchvision is installed but cannot be imported ({exc}); mosaicml-streaming "
             "imports it. Uninstall it (the tests then use tests/streaming_shim) or install "
             "one built for this torch.") from exc
+
+
+def _check_for_torchvision_before_the_shim() -> None:
+    """transformers (which mosaicml-streaming imports) decides once whether
+    torchvision is installed: let it decide before the stand-in is visible, or a
+    later test in this process would find its Trainer asking for torchvision."""
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers.utils import import_utils
+
+        import_utils.is_torchvision_available()
+
+
+def drop_torchvision_shim() -> None:
+    """Take the stand-in off ``sys.path`` and out of ``sys.modules`` again, so that
+    a later test in the same process (Lightning, transformers' Trainer) finds no
+    torchvision instead of one that raises.  The libraries already imported keep
+    the names they took from it."""
+    while SHIM in sys.path:
+        sys.path.remove(SHIM)
+    for name, module in list(sys.modules.items()):
+        if (name == "torchvision" or name.startswith("torchvision.")) and \
+                (getattr(module, "__file__", None) or "").startswith(SHIM):
+            del sys.modules[name]
 
 
 def sample(i: int) -> dict:

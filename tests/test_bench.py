@@ -25,6 +25,7 @@ FIGURES = {"batches_per_s", "first_batch_s", "cpu_us_per_batch", "peak_mem_bytes
            "peak_rss_bytes", "peak_shm_bytes", "runs", "error"}
 
 
+@pytest.mark.long
 @pytest.mark.timeout(90)
 def test_bench_quick_prints_the_table_and_writes_json(tmp_path):
     out_json = tmp_path / "bench.json"
@@ -85,6 +86,7 @@ def test_transport_reaches_torchfeed_only_when_given():
     assert "transport" not in config.loader_kwargs("torch", workload)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", ["torch", "shm"])
 def test_bench_runs_each_transport(transport):
@@ -99,6 +101,7 @@ def test_bench_runs_each_transport(transport):
     assert result.figures["torch@0"].first_batches == []  # its first batch is not compared
 
 
+@pytest.mark.long
 @pytest.mark.timeout(60)
 def test_a_loader_that_fails_is_reported_and_the_others_still_run():
     config = BenchConfig(["small"], num_workers=1, batches=2, repeats=2, transport="bogus",

@@ -6,6 +6,7 @@ central check: every loader the bench compares delivers the same batches on
 every workload, so the columns measure the same work.  Speed is never asserted.
 """
 import dataclasses
+import importlib.util
 import math
 import random
 import sys
@@ -30,8 +31,11 @@ from torchfeed.bench.pipelines import (
 from torchfeed.bench.report import format_peer_table, format_report
 from torchfeed.bench.workloads import WORKLOADS
 
-datasets = pytest.importorskip(
-    "datasets", reason="Hugging Face datasets is not installed (the [test] extra has it)")
+# Checked, not imported: Hugging Face datasets adds ~100 MiB to the process, whose page
+# tables every later fork in it would copy; only the tests that use it import it.
+if importlib.util.find_spec("datasets") is None:
+    pytest.skip("Hugging Face datasets is not installed (the [test] extra has it)",
+                allow_module_level=True)
 
 COMPARED = ("torch", "torchfeed", *PEERS)
 
@@ -56,6 +60,7 @@ def tiny_datasets(tmp_path_factory):
     }
 
 
+@pytest.mark.big_imports
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["jpeg", "text", "hf"])
 def test_every_loader_gives_the_same_batches(name, tiny_datasets):
@@ -129,7 +134,10 @@ def test_pad_collate_pads_masks_and_labels():
         assert (batch["labels"][row, n:] == IGNORE_INDEX).all()
 
 
+@pytest.mark.big_imports
 def test_hf_workload_is_a_memory_mapped_torch_format_dataset(tmp_path):
+    import datasets
+
     ds = hf_dataset(5000, seq_len=16, root=tmp_path)
     assert isinstance(ds, datasets.Dataset) and len(ds) == 8192  # the next power of two
     assert ds.format["type"] == "torch" and ds.cache_files  # read from disk, not memory
@@ -148,6 +156,7 @@ def _block(monkeypatch, *modules):
         monkeypatch.setitem(sys.modules, module, None)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(90)
 def test_missing_peer_or_workload_package_is_a_one_line_note(monkeypatch):
     _block(monkeypatch, "spdl.dataloader", "datasets")

@@ -204,6 +204,7 @@ def _rebuild_with_sampler(loader, sampler):
     return data._update_dataloader(loader, sampler)
 
 
+@pytest.mark.big_imports
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_rebuild_with_distributed_sampler(num_workers):
@@ -220,6 +221,7 @@ def test_rebuild_with_distributed_sampler(num_workers):
     assert len(rebuilt) == 3
 
 
+@pytest.mark.big_imports
 def test_rebuild_keeps_every_torch_attribute():
     gen = torch.Generator()
     loader = torchfeed.DataLoader(RangeDataset(10), batch_size=3, num_workers=1, timeout=2,

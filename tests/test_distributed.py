@@ -462,6 +462,11 @@ class Launch:
         return f"torchrun exited {self.returncode} before writing {what}:\n{self.output[-6000:]}"
 
 
+# Every test of the launches shares them (and runs on one pytest-xdist worker, which
+# launches each once): n3 and n1 resume from the checkpoints the launches before left.
+launches = pytest.mark.xdist_group("test_distributed_launches")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("dist")
@@ -509,6 +514,7 @@ def torch_epoch(world, epoch, drop_last):
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("name", ["n2", "n3"])
+@launches
 def test_process_group_shards_are_disjoint_and_cover(runs, name):
     results = runs(name)
     world = len(results)
@@ -530,6 +536,7 @@ def test_process_group_shards_are_disjoint_and_cover(runs, name):
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("name", ["n2", "n3"])
+@launches
 def test_process_group_iterable_shards_by_rank_and_worker(runs, name):
     results = runs(name, iterable=True)
     world = len(results)
@@ -544,6 +551,7 @@ def test_process_group_iterable_shards_by_rank_and_worker(runs, name):
 
 
 @pytest.mark.timeout(420)
+@launches
 def test_process_group_shuffle_reproducible_across_runs(runs):
     a, b = runs("n2"), runs("n2-again")
     for key, epoch in itertools.product(KEYS, (0, 1)):
@@ -552,6 +560,7 @@ def test_process_group_shuffle_reproducible_across_runs(runs):
 
 
 @pytest.mark.timeout(420)
+@launches
 def test_process_group_save_gives_one_state_for_all_ranks(runs):
     results = runs("n2")
     for key in KEYS:
@@ -565,6 +574,7 @@ def test_process_group_save_gives_one_state_for_all_ranks(runs):
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("name", ["n3", "n1"])
+@launches
 def test_process_group_resume_at_another_world_size(runs, name):
     before, after = runs("n2"), runs(name)
     world = len(after)
@@ -592,6 +602,7 @@ def test_process_group_resume_at_another_world_size(runs, name):
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("name", ["n3", "n1"])
+@launches
 def test_process_group_loader_state_resumes_at_another_world_size(runs, name):
     before, after = runs("n2"), runs(name)
     assert before[0]["loader_state"]
@@ -610,6 +621,7 @@ def test_process_group_loader_state_resumes_at_another_world_size(runs, name):
 
 
 @pytest.mark.timeout(420)
+@launches
 def test_process_group_loader_state_resumes_2_to_3_to_1(runs):
     first, second, third = runs("n2"), runs("n3"), runs("n1")
     assert first[0]["loader_state"]
@@ -627,6 +639,7 @@ def test_process_group_loader_state_resumes_2_to_3_to_1(runs):
 
 
 @pytest.mark.timeout(420)
+@launches
 def test_process_group_torch_sampler_resumes_only_at_the_saved_world_size(runs):
     before, same, other = runs("n2"), runs("n2-again"), runs("n3")
     c = script.SAVE_STEP * script.BATCH

@@ -23,6 +23,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.mark.long
 @pytest.mark.timeout(180)
 def test_torchfeed_forks_with_no_more_threads_than_torch(tmp_path):
     proc = subprocess.run([sys.executable, str(HERE / "_fork_threads_child.py"), str(tmp_path)],

@@ -5,6 +5,7 @@ tests/_accelerate_ranks.py), the Hugging Face Trainer, and Ray Train on CPU with
 two workers and a worker failure (tests/_ray_train.py).  All of them are real:
 the [test] extra installs them.
 """
+import importlib.util
 import json
 import sys
 import warnings
@@ -196,6 +197,7 @@ def _launch(cmd, timeout, env=None):
     return launch_in_own_session(cmd, timeout, env)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_accelerate_two_processes_keep_torchfeed_and_resume(tmp_path):
     pytest.importorskip("accelerate", reason="Accelerate is not installed (the [test] extra has it)")
@@ -274,10 +276,14 @@ def test_state_dict_of_a_loader_a_framework_replaced_warns(monkeypatch, fresh_wa
         torchfeed.DataLoader(Ids(), batch_size=4, sampler=sampler).state_dict()
 
 
+@pytest.mark.long
 # -- Ray Train: 2 CPU workers, a failure, a restart ------------------------------------
 @pytest.mark.timeout(300)
 def test_ray_train_keeps_torchfeed_and_resumes_exactly_after_a_failure(tmp_path):
-    pytest.importorskip("ray.train", reason="Ray Train is not installed (the [test] extra has it)")
+    # Checked, not imported: Ray runs in _ray_train.py's process, and importing it here
+    # would add ~140 MiB to this one, whose page tables every later fork would copy.
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("Ray Train is not installed (the [test] extra has it)")
     code, output = _launch([sys.executable, str(HERE / "_ray_train.py"), str(tmp_path)],
                            timeout=280, env={"CUDA_VISIBLE_DEVICES": ""})  # CPU workers
     fit = tmp_path / "fit.json"
@@ -363,6 +369,7 @@ def _train(trainer_class, out, resume_from=None):
     return model.seen, trainer
 
 
+@pytest.mark.big_imports  # transformers' Trainer brings datasets: ~250 MiB
 @pytest.mark.timeout(120)
 def test_trainer_with_torchfeed_trains_on_the_stock_batches_and_resumes(tmp_path, new_accelerator):
     stock_class, torchfeed_class = _trainers()

@@ -112,6 +112,7 @@ list(it)
 """
 
 
+@pytest.mark.long
 @pytest.mark.timeout(60)
 def test_no_reading_thread_is_alive_when_a_worker_is_forked():
     # In a process of its own: a fork hook cannot be taken back.

@@ -42,6 +42,7 @@ def torchrun(nproc: int, script: Path) -> str:
     return output
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_train_ddp_example_runs_and_resumes_at_another_scale(tmp_path):
     script = tmp_path / "train_ddp.py"
@@ -58,6 +59,7 @@ def test_train_ddp_example_runs_and_resumes_at_another_scale(tmp_path):
     assert "epoch 0:" not in second and "epoch 1:" not in second
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_stall_demo_prints_a_data_bound_summary(tmp_path):
     """The "Is my training data-bound?" example, run as written.
@@ -83,6 +85,7 @@ def test_stall_demo_prints_a_data_bound_summary(tmp_path):
     assert "verdict             data-bound" in out, out
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_stateful_iterable_example_resumes(tmp_path):
     """The Stateful IterableDataset of "What is saved", run as written."""
@@ -96,6 +99,7 @@ def test_stateful_iterable_example_resumes(tmp_path):
     assert proc.stdout.startswith("resumed [["), proc.stdout
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_copy_on_read_example_shows_the_fix(tmp_path):
     script = tmp_path / "copy_on_read.py"

@@ -46,6 +46,7 @@ CASES = [  # (saved with num_workers, resumed with, batches taken: None = the wh
 ]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_bucketing_sampler_resumes_exactly_in_a_fresh_process():
     cases, expected = [], []

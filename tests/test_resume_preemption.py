@@ -39,6 +39,7 @@ def _steps(log):
     return steps, done
 
 
+@pytest.mark.long
 @pytest.mark.timeout(90)
 def test_sigkilled_training_resumes_with_the_same_samples(tmp_path):
     tmp = str(tmp_path)

@@ -46,6 +46,7 @@ def _parent_heap(n):
     return [{"id": i, "bbox": [1.0, 2.0, 3.0, 4.0], "label": "x"} for i in range(n)]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(90)
 def test_full_collection_in_a_worker_leaves_the_parents_heap_shared():
     heap = _parent_heap(150_000)  # about 300,000 tracked objects, ~45 MiB
@@ -137,7 +138,8 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.long
+@pytest.mark.timeout(180)
 def test_forkserver_workers_start_with_torch_and_the_dataset_module_preloaded():
     # A fresh interpreter: the fork server is one per process, and an earlier
     # test may have started it already.
@@ -147,7 +149,7 @@ def test_forkserver_workers_start_with_torch_and_the_dataset_module_preloaded():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [tests, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
     proc = subprocess.run([sys.executable, "-c", _FORKSERVER_SCRIPT.format(tests=tests)],
-                          capture_output=True, text=True, timeout=80, env=env)
+                          capture_output=True, text=True, timeout=170, env=env)  # ~5 s alone
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for epoch in out["epochs"]:
@@ -160,6 +162,7 @@ def test_forkserver_workers_start_with_torch_and_the_dataset_module_preloaded():
     assert out["preload"] == ["__main__", "json"], "the user's preload list is put back"
 
 
+@pytest.mark.long
 # -- worker start under spawn -------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_spawn_stats_show_worker_start_and_suggest_persistent_workers(caplog):
@@ -191,6 +194,7 @@ def test_persistent_workers_start_only_in_the_first_epoch():
     assert "starting workers" not in str(second)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_tune_says_when_starting_workers_dominates(capfd):
     loader = torchfeed.DataLoader(scale_datasets.ImportProbe(), batch_size=1, num_workers=1,
@@ -345,6 +349,7 @@ class Records(torch.utils.data.Dataset):
         return sum(r["id"] for r in part)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(90)
 def test_worker_memory_growth_from_python_objects_is_reported_and_warned_once(
         monkeypatch, caplog):

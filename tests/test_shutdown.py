@@ -138,6 +138,7 @@ def test_deleting_a_persistent_loader_needs_no_garbage_collector(snapshot):
         gc.enable()
 
 
+@pytest.mark.long
 @pytest.mark.timeout(60)
 def test_iterable_workers_retire_repeatedly():
     # Workers whose stream ends exit while the others go on sending on the
@@ -191,6 +192,7 @@ next(it)
 """
 
 
+@pytest.mark.long
 @pytest.mark.timeout(60)
 def test_workers_exit_within_2s_when_main_script_is_sigkilled():
     # A fresh interpreter as the main process, its workers busy in __getitem__.

@@ -213,6 +213,7 @@ def test_stateless_warning_points_at_the_callers_line():
     assert [w.filename for w in caught] == [__file__]
 
 
+@pytest.mark.big_imports
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_hugging_face_iterable_dataset_still_resumes_exactly(num_workers):

@@ -246,6 +246,7 @@ def test_log_every_from_environment(caplog, monkeypatch):
     assert DataLoader(SleepDataset(1, 0.0)).log_every is None
 
 
+@pytest.mark.long
 @pytest.mark.timeout(60)
 def test_log_line_visible_without_logging_configured():
     code = ("from torchfeed import DataLoader\n"

@@ -93,6 +93,7 @@ def test_streamed_batches_equal_torchs_and_each_sample_is_freed_before_the_next(
     assert all(_flags(b, kind)[1:].all() for b in ours[:2])
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")  # torch's, on CPU
 @pytest.mark.parametrize("options", [dict(multiprocessing_context="spawn"),

@@ -2,8 +2,9 @@
 the libraries' own errors come out as under torch, and mid-epoch resume is exact in a
 fresh process, through each library's public state API (``_streaming_adapters.py``).
 
-The data is written with each library's own writer into a temporary folder.  CI
-installs both libraries without torchvision; see tests/streaming_shim/README.md.
+The data is written with each library's own writer into a temporary folder.
+tests/install_requirements.py installs both libraries without torchvision; see
+tests/streaming_shim/README.md.
 """
 from __future__ import annotations
 
@@ -25,10 +26,19 @@ from torchfeed import DataLoader
 # only streaming_data's stand-in provides here (see tests/streaming_shim/README.md).
 for _library, _name in (("streaming", "mosaicml-streaming"), ("litdata", "litdata")):
     if importlib.util.find_spec(_library) is None:
-        pytest.skip(f"{_name} is not installed (.ci/run installs it)", allow_module_level=True)
+        pytest.skip(f"{_name} is not installed (python tests/install_requirements.py "
+                    "installs it)", allow_module_level=True)
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIBS = ["streaming", "litdata"]
 BATCHES = 38  # 300 samples in batches of 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torchvision_shim_only_here():
+    """The stand-in goes on sys.path when a test here first needs it; it must not
+    outlive this module's tests in the process (pytest-xdist runs others after)."""
+    yield
+    sd.drop_torchvision_shim()
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +65,7 @@ def _run(loader_cls, dataset, epochs=2, **kwargs):
     return out, said
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lib", LIBS)
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -150,6 +161,7 @@ def _fresh_process(lib, root, cases, tmp_path):
     return json.loads(out_path.read_text())
 
 
+@pytest.mark.long
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("lib", LIBS)
 def test_mid_epoch_resume_in_a_fresh_process(data, lib, tmp_path):

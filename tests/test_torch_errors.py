@@ -83,6 +83,7 @@ def _time_out_in_child(methods, conn):
         del loader
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_timeout_while_workers_start_raises_torchs_error_promptly():
     """The loader lives in a child started with spawn, as in the report; its

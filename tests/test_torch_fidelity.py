@@ -148,6 +148,7 @@ def test_iter_datapipe_resumes_into_the_same_shuffle(num_workers):
     assert head + rest == whole
 
 
+@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_iter_datapipe_is_sharded_across_ranks_like_torch(tmp_path):
     """Two ranks of a real gloo group (torchrun), each with a generator seeded

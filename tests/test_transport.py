@@ -112,6 +112,7 @@ def tensor_leaves(x):
 
 # -- round trips ------------------------------------------------------------------
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_round_trip_every_leaf_type_and_nesting(method):
@@ -434,6 +435,7 @@ MAIN_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_no_leak_after_main_process_sigkill(method):

@@ -103,6 +103,7 @@ def test_default_transport_is_shm_and_batches_equal_torch(dataset):
     assert _in_slot(leaf)  # zero-copy, in one of the transport's slots
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_spawn_and_forkserver_workers(context):
@@ -350,6 +351,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.long
 @pytest.mark.timeout(90)
 def test_nothing_left_after_main_process_sigkill():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -401,6 +403,7 @@ def _keep_all_under_fd_limit(how):
                           timeout=100, cwd=tests)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_thousands_of_kept_batches_need_no_file_descriptor_each():
     # 2,000 batches kept under a limit of 128 open files: the slots hold one
@@ -411,6 +414,7 @@ def test_thousands_of_kept_batches_need_no_file_descriptor_each():
     assert "Exception ignored" not in run.stderr, run.stderr  # batches kept to the very end
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_out_of_file_descriptors_on_torchs_transport_says_so_in_torchs_words():
     # torch's transport holds a descriptor per kept batch, in torch's loader

@@ -107,6 +107,7 @@ def test_loader_arguments_other_batching_modes():
     assert bare[0] is torchfeed.DataLoader and bare[1] == {"dataset": dataset, "batch_size": 1}
 
 
+@pytest.mark.long
 @pytest.mark.timeout(60)
 def test_import_torchfeed_loads_neither_the_tuner_nor_the_bench():
     # Every spawned worker imports torchfeed: the bench (and what it pulls in)
@@ -156,6 +157,7 @@ def test_recommend_takes_the_fewest_workers_near_the_best():
         recommend([failed], cores=1)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(90)
 def test_cli_end_to_end(tmp_path):
     out_json = tmp_path / "tune.json"
@@ -169,6 +171,7 @@ def test_cli_end_to_end(tmp_path):
     assert [r["num_workers"] for r in data["rows"]] == [0, 1]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(60)
 def test_cli_missing_module_is_one_clear_line(tmp_path):
     proc = _run_cli("no_such_module_xyz:factory", "--seconds", "0.1", cwd=tmp_path)

@@ -103,6 +103,7 @@ def test_fork_start_method():
     assert_same(theirs, ours)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_spawn_start_method():
     # One loader only: every spawned worker imports torch afresh (seconds each).

@@ -177,14 +177,32 @@ def read_marker(path):
     return float(when), int(pid), int(worker_id)
 
 
+def blocked_in_a_pipe_write(skip: int = -1) -> bool:
+    """Whether a thread of this process (other than thread id ``skip``) is asleep
+    writing into a full pipe, as the kernel names where each thread waits."""
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) == skip:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/wchan") as f:
+                if "pipe_write" in f.read():  # anon_pipe_write on newer kernels
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 class BigSamples(Dataset):
     """Samples of ``size`` bytes (pickled inline, not shared like tensors).
-    Fetching sample ``at`` arms a timer that SIGKILLs the worker ``after``
-    seconds later: by then its feeder thread is part-way through writing the
-    batch into a pipe the main process is not reading."""
+    Fetching sample ``at`` starts a thread that SIGKILLs the worker as soon as
+    another of its threads is asleep part-way through writing a batch into a
+    pipe the main process is not reading: on an event, not after a guessed
+    delay, so a loaded machine cannot make it an ordinary death.  If that never
+    happens within ``within`` seconds it kills the worker anyway, an ordinary
+    death, which the test then reports."""
 
-    def __init__(self, n=16, size=8 << 20, at=None, after=0.3, marker=None):
-        self.n, self.size, self.at, self.after, self.marker = n, size, at, after, marker
+    def __init__(self, n=16, size=8 << 20, at=None, within=30.0, marker=None):
+        self.n, self.size, self.at, self.within, self.marker = n, size, at, within, marker
 
     def __len__(self):
         return self.n
@@ -192,10 +210,15 @@ class BigSamples(Dataset):
     def __getitem__(self, i):
         if i == self.at:
             def kill():
-                with open(self.marker, "w") as f:
+                deadline = time.monotonic() + self.within
+                while (not blocked_in_a_pipe_write(skip=threading.get_native_id())
+                       and time.monotonic() < deadline):
+                    time.sleep(0.005)
+                with open(self.marker + ".tmp", "w") as f:  # whole when the test sees it
                     f.write(f"{time.time()!r} {os.getpid()} {get_worker_info().id}")
+                os.replace(self.marker + ".tmp", self.marker)
                 os.kill(os.getpid(), signal.SIGKILL)
-            threading.Timer(self.after, kill).start()
+            threading.Thread(target=kill, daemon=True).start()
         return bytes(self.size)
 
 

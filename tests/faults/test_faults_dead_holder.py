@@ -265,6 +265,7 @@ def _kill_one_worker(me: psutil.Process, delay: float, rng: random.Random, kille
         time.sleep(0.002)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_random_kills(no_pin_warning):
     """ROUNDS rounds, each killing one of 2 workers at a random instant (while

@@ -6,32 +6,63 @@ that waits on sentinels is not, unless it reads with care).  The loader must
 raise the dead-worker error instead, within 5 s, and say the result was lost
 mid-write.
 """
+import os
+import threading
 import time
 
+import psutil
 import pytest
-from faults_datasets import BigSamples, collate_list, read_marker
+from faults_datasets import BigSamples, blocked_in_a_pipe_write, collate_list, read_marker
 from faults_helpers import SURFACE_WITHIN, Failure
 
 from torchfeed import DataLoader
 
 
+def _kernel_names_pipe_writes() -> bool:
+    """The premise of the fault: this kernel says which thread waits in a pipe write."""
+    r, w = os.pipe()
+    writer = threading.Thread(target=os.write, args=(w, bytes(1 << 20)), daemon=True)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not blocked_in_a_pipe_write() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return blocked_in_a_pipe_write()
+    finally:
+        os.close(r)  # the write fails with EPIPE and the thread ends
+        writer.join()
+        os.close(w)
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 @pytest.mark.timeout(60)
 def test_worker_killed_mid_write_never_hangs(tmp_path):
+    if not _kernel_names_pipe_writes():
+        pytest.skip("this kernel's /proc/<pid>/task/<tid>/wchan does not name a pipe write")
     marker = str(tmp_path / "fired")
-    # The kill comes 0.8 s after sample 4 is fetched: long after the worker has
-    # built batch 1 and begun to write it even on a loaded machine (a kill
-    # before the write would be an ordinary death, which the restart hides),
-    # and well before the main process wakes at 2 s.
-    loader = DataLoader(BigSamples(n=8, at=4, after=0.8, marker=marker), batch_size=4,
+    # The worker is killed once its 32 MB batch 1 has filled the pipe and its
+    # writer sleeps part-way (a kill before the write would be an ordinary
+    # death, which the restart hides), while the main process is not reading.
+    loader = DataLoader(BigSamples(n=8, at=4, marker=marker), batch_size=4,
                         num_workers=1, prefetch_factor=1, collate_fn=collate_list,
                         max_worker_restarts=1)  # the error says why it was not used
     it = iter(loader)
     del loader
     batch = next(it)
     del batch
-    # Busy in the training step: the worker's 32 MB batch 1 fills the pipe,
-    # its feeder thread blocks part-way, and the timer kills the worker.
-    time.sleep(2.0)
+    # Busy in the training step until the worker is dead.
+    deadline = time.monotonic() + 40
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    fired_at, pid, worker_id = read_marker(marker)
+    while not _dead(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
     asked = time.time()
     try:
         next(it)
@@ -40,7 +71,6 @@ def test_worker_killed_mid_write_never_hangs(tmp_path):
     else:
         pytest.fail("no error")
     del it
-    fired_at, pid, worker_id = read_marker(marker)
     msg = failure.message
     # torch's sentence first (its iterator's), then torchfeed's line naming the worker
     assert msg.startswith(f"DataLoader worker (pid(s) {pid}) exited unexpectedly\n"), msg
@@ -48,6 +78,6 @@ def test_worker_killed_mid_write_never_hangs(tmp_path):
     assert "was killed by signal SIGKILL" in msg, msg
     assert "died while writing a result" in msg, msg
     assert "so it was not restarted" in msg, msg
-    # The main process was asleep when the worker died: count from its waking.
+    # The main process was not reading when the worker died: count from its asking.
     assert fired_at < asked
     assert failure.raised_at - asked < SURFACE_WITHIN, failure.raised_at - asked
