@@ -50,6 +50,7 @@ from ._processes import StopFlag, launch_worker, launched_at, stop_workers
 from ._protocol import IterableExhausted, ResumeIteration, StatefulUnpacker, Task, TaskInfo
 from ._receive import ResultReceiver, WorkerDied
 from ._restart import WorkerRestarts
+from ._share_dataset import share_once
 from ._stack_dump import timeout_message
 from ._stats import LiveCounts
 from ._torch_compat import assertion_message, in_order, pin_device_index
@@ -67,6 +68,7 @@ def _shutdown_live_iterators() -> None:
 
 class MultiProcessIterator(BaseIterator):
     def __init__(self, loader) -> None:
+        share_once(loader)  # share_dataset=True: before the first workers start, once
         super().__init__(loader)
         self._device = resolve_device(getattr(loader, "device", None))
         self._prefetch_factor = loader.prefetch_factor

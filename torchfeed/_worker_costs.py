@@ -7,7 +7,9 @@ private memory (USS) then; ``_stats.py`` keeps those per epoch.  This module
 reads workers' USS now, works out the seconds spent starting workers this
 epoch, and logs the copy-on-read warning: a worker whose USS grew by more than
 ``USS_GROWTH_WARN`` since it started is almost always copying the parent's
-Python objects page by page as it reads them (pytorch issue 13246).  The
+Python objects page by page as it reads them (pytorch issue 13246); the
+warning names the dataset's attributes that are copied (``_share_dataset``'s
+``census``) and says to pass ``share_dataset=True``.  The
 growth is checked every ``MEMORY_CHECK_EVERY`` seconds of iteration, and the
 warning is logged once per process.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import psutil
 
@@ -115,24 +118,33 @@ def growth_warned() -> bool:
     return _warned
 
 
-def check_growth(growth: list, uss: list) -> None:
+def check_growth(growth: list, uss: list, suspects: Callable[[], str] = str) -> None:
     """Log the copy-on-read warning, once per process, for the first worker
-    that grew past ``USS_GROWTH_WARN``."""
+    that grew past ``USS_GROWTH_WARN``; ``suspects()`` names the dataset's
+    attributes that are copied (``_share_dataset.naming``), only then."""
     global _warned
     if _warned:
         return
     for worker_id, (grown, now) in enumerate(zip(growth, uss)):
         if grown is not None and grown > USS_GROWTH_WARN:
             _warned = True
-            logger.warning(copy_on_read_warning(worker_id, grown, now))
+            logger.warning(copy_on_read_warning(worker_id, grown, now, suspects()))
             return
 
 
-def copy_on_read_warning(worker_id: int, growth: int, uss: int) -> str:
+def copy_on_read_warning(worker_id: int, growth: int, uss: int, suspects: str = "") -> str:
+    named = (f"The dataset's large Python containers, copied by every worker: {suspects}; "
+             "pass `share_dataset=True` to the DataLoader to hold them once, in shared memory, "
+             "for the main process and all workers. " if suspects else
+             "Pass `share_dataset=True` to the DataLoader to share the dataset's lists, dicts "
+             "and arrays of 1 MiB or more (its attributes, two levels deep) between all "
+             "processes, or hold the data ")
     return (f"DataLoader worker {worker_id}'s private memory grew by {growth / 2**20:.0f} MiB "
             f"since it started (now {uss / 2**20:.0f} MiB). This is most often copy-on-read: "
             "every read of a Python object (a list, dict or str) the dataset holds writes its "
             "reference count, so each worker slowly copies the parent's memory pages (pytorch "
-            "issue 13246). Hold the data in numpy arrays, tensors or Arrow-backed storage (a "
-            "pyarrow Table, a Hugging Face dataset) instead of Python lists and dicts. See the "
-            "README, 'Workers' memory grows'. (Logged once.)")
+            f"issue 13246). {named}"
+            + ("Or hold the data " if suspects else "")
+            + "in numpy arrays, tensors or Arrow-backed storage (a pyarrow Table, a Hugging Face "
+            "dataset) instead of Python lists and dicts. See the README, 'Workers' memory "
+            "grows'. (Logged once.)")
