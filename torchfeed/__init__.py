@@ -7,6 +7,7 @@ Everything public is re-exported here; the modules behind it are private.
 from torch.utils.data import default_collate, default_convert, get_worker_info
 from torch.utils.data._utils.worker import WorkerInfo
 
+from ._share import SharedMapping, SharedSequence, share
 from .dataloader import DataLoader
 from .distributed import DistributedSampler
 from .frameworks import prepare
@@ -14,11 +15,14 @@ from .frameworks import prepare
 __all__ = [
     "DataLoader",
     "DistributedSampler",
+    "SharedMapping",
+    "SharedSequence",
     "WorkerInfo",
     "default_collate",
     "default_convert",
     "get_worker_info",
     "prepare",
+    "share",
     "tune",
 ]
 __version__ = "0.1.0"

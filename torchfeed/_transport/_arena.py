@@ -55,7 +55,8 @@ def create_arena(worker_id: int) -> int:
 
 
 class SharedMap:
-    """``length`` bytes of ``fd`` from ``offset``, mapped shared and read-write.
+    """``length`` bytes of ``fd`` from ``offset``, mapped shared and read-write
+    (read-only with ``writable=False``: ``torchfeed.share``'s containers).
 
     Python's ``mmap.mmap`` keeps a duplicate of the descriptor for as long as
     the mapping lives (before Python 3.13), which would cost one descriptor
@@ -67,15 +68,19 @@ class SharedMap:
 
     __slots__ = ("addr", "length", "array")
 
-    def __init__(self, fd: int, length: int, offset: int = 0, populate: bool = False):
+    def __init__(self, fd: int, length: int, offset: int = 0, populate: bool = False,
+                 writable: bool = True):
         flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
-        addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        addr = _libc.mmap(None, length, prot, flags, fd, offset)
         if addr in (None, _MAP_FAILED):
             e = ctypes.get_errno()
             raise OSError(e, f"mmap of {length} bytes of shared memory failed: {os.strerror(e)}")
         self.addr, self.length = addr, length
         # a ctypes array has the buffer protocol; numpy's stubs do not list ctypes
         self.array = np.frombuffer((ctypes.c_ubyte * length).from_address(addr), np.uint8)  # type: ignore[call-overload]
+        if not writable:
+            self.array.flags.writeable = False  # a write would be a SIGSEGV, not an error
         fin = weakref.finalize(self.array, _libc.munmap, addr, length)
         fin.atexit = False  # exiting unmaps anyway; earlier could pull memory from live views
 
