@@ -35,13 +35,12 @@ import logging
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from ._share import SharedMapping, SharedSequence, share
+from ._share import is_shared, share
 from ._transport._space import human
 
 logger = logging.getLogger("torchfeed")
@@ -117,7 +116,7 @@ def share_dataset(dataset) -> list[dict]:
         began = time.perf_counter()
         try:
             shared = _shared(found.value)
-        except (TypeError, ValueError, OSError) as exc:
+        except (TypeError, ValueError, OSError, RuntimeError) as exc:
             logger.warning("share_dataset: left %s (%s) unshared: %s", found.path, what, exc)
             continue
         try:
@@ -160,7 +159,7 @@ def naming(found: list[dict]) -> str:
 def estimate_bytes(value) -> int | None:
     """About how much memory ``value`` holds, or None if it is not a container
     or array that sharing is about."""
-    if isinstance(value, (SharedSequence, SharedMapping, DefaultLookup)):
+    if is_shared(value):
         return None  # shared already
     kind = type(value)
     if kind in (list, tuple) or isinstance(value, dict):
@@ -251,15 +250,13 @@ def _why_not(value) -> str | None:
     if isinstance(value, dict):
         return (f"it is a {kind.__name__}, a dict subclass whose behaviour a shared mapping "
                 "would not keep; convert it to a dict to share it")
-    if getattr(value, "dtype", None) == object:
+    if _is_object_array(value):
         return ("it is an array of Python objects, which sharing would copy out item by item; "
                 "convert it to a list to share it")
     return None
 
 
 def _shared(value):
-    if isinstance(value, defaultdict):
-        return DefaultLookup(share(dict(value)), value.default_factory)
     if type(value) in (list, tuple, dict) and len(value) <= _HOLDER_MAX:
         # A few large entries (pycocotools' ``COCO.dataset``: {"images": [...],
         # "annotations": [...], ...}) are shared one by one, in a new container of
@@ -274,50 +271,3 @@ def _shared(value):
             return type(value)(_shared(entry) if i in large else entry
                                for i, entry in enumerate(value))
     return share(value)
-
-
-class DefaultLookup(Mapping):
-    """A shared ``defaultdict``: a missing key gives ``default_factory()``,
-    not inserted (the mapping is read-only), as ``dict.get(key, default)`` would."""
-
-    __slots__ = ("shared", "default_factory")
-
-    def __init__(self, shared: Mapping, default_factory) -> None:
-        self.shared = shared
-        self.default_factory = default_factory
-
-    def __getitem__(self, key):
-        try:
-            return self.shared[key]
-        except KeyError:
-            if self.default_factory is None:
-                raise
-            return self.default_factory()
-
-    def __contains__(self, key) -> bool:
-        return key in self.shared
-
-    def __iter__(self):
-        return iter(self.shared)
-
-    def __len__(self) -> int:
-        return len(self.shared)
-
-    def __eq__(self, other) -> bool:
-        return self.shared == other
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __reduce__(self):
-        return DefaultLookup, (self.shared, self.default_factory)
-
-    def __setitem__(self, key, value):
-        raise TypeError(f"this defaultdict was shared by torchfeed (share_dataset=True) and is "
-                        f"read-only: it cannot be assigned key {key!r}")
-
-    def __delitem__(self, key):
-        raise TypeError(f"this defaultdict was shared by torchfeed (share_dataset=True) and is "
-                        f"read-only: key {key!r} cannot be deleted")
-
-    def __repr__(self) -> str:
-        return f"DefaultLookup({self.default_factory!r}, {self.shared!r})"

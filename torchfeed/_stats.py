@@ -267,7 +267,10 @@ class IteratorStats:
         return self._large
 
     def _suspects(self) -> str:
-        return _share_dataset.naming([f for f in self._large_attributes() if not f["shared"]])
+        large = self._large_attributes()
+        unshared = [f for f in large if not f["shared"]]
+        return (_share_dataset.naming(unshared) if unshared or not large
+                else _worker_costs.SHARED_ALREADY)
 
     def _growth(self, worker_id: int, uss):
         start = self._uss_start.get(worker_id)

@@ -25,6 +25,7 @@ happens with a thread of ours alive, as in torch.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable
 
@@ -36,17 +37,44 @@ USS_GROWTH_WARN = 256 * 2**20  # a worker's private memory grown this much since
 MEMORY_CHECK_EVERY = 10.0      # seconds of iteration between checks of workers' memory
 
 _warned = False
+# ``suspects`` when share_dataset=True shared every large attribute it found.
+SHARED_ALREADY = "(shared already)"
 
 
 def private_bytes(pids) -> list:
-    """Each process's private memory (USS) in bytes, or None where it cannot be read."""
+    """Each process's private memory (USS) in bytes, or None where it cannot be read.
+
+    Pages of ``torchfeed.share``'s buffers are left out: they are the one copy
+    all processes map, private to a worker only because no other process has
+    touched them yet (``share_dataset=True``; see ``uss_without_shared_buffers``)."""
     out = []
     for pid in pids:
         try:
-            out.append(psutil.Process(pid).memory_full_info().uss if pid else None)
+            out.append(uss_without_shared_buffers(pid) if pid else None)
         except (psutil.Error, OSError, AttributeError):
             out.append(None)
     return out
+
+
+_PRIVATE = re.compile(rb"\nPrivate_(?:Clean|Dirty):\s+(\d+)")
+_SHARED_BUFFER = re.compile(rb"\n[0-9a-f]+-[0-9a-f]+ [^\n]*memfd:torchfeed-share[^\n]*(.*?)"
+                            rb"(?=\n[0-9a-f]+-[0-9a-f]+ |\Z)", re.S)
+
+
+def uss_without_shared_buffers(pid: int) -> int:
+    """``pid``'s USS, less the pages of ``torchfeed.share`` buffers (memfds named
+    ``torchfeed-share``) that only it maps.  psutil's USS where there is no smaps."""
+    try:
+        with open(f"/proc/{pid}/smaps", "rb") as f:
+            smaps = b"\n" + f.read()
+    except FileNotFoundError:
+        if psutil.pid_exists(pid):
+            return psutil.Process(pid).memory_full_info().uss
+        raise psutil.NoSuchProcess(pid) from None
+    total = sum(int(kib) for kib in _PRIVATE.findall(smaps))
+    for buffer in _SHARED_BUFFER.finditer(smaps):
+        total -= sum(int(kib) for kib in _PRIVATE.findall(buffer.group(1)))
+    return total * 1024
 
 
 class MemoryReading:
@@ -133,18 +161,23 @@ def check_growth(growth: list, uss: list, suspects: Callable[[], str] = str) -> 
 
 
 def copy_on_read_warning(worker_id: int, growth: int, uss: int, suspects: str = "") -> str:
-    named = (f"The dataset's large Python containers, copied by every worker: {suspects}; "
-             "pass `share_dataset=True` to the DataLoader to hold them once, in shared memory, "
-             "for the main process and all workers. " if suspects else
-             "Pass `share_dataset=True` to the DataLoader to share the dataset's lists, dicts "
-             "and arrays of 1 MiB or more (its attributes, two levels deep) between all "
-             "processes, or hold the data ")
+    if suspects == SHARED_ALREADY:
+        named = ("The dataset's large attributes are shared already (share_dataset=True): "
+                 "look for other Python objects the workers read (module globals, objects "
+                 "deeper than two levels of attributes), or hold the data ")
+    elif suspects:
+        named = (f"The dataset's large Python containers, copied by every worker: {suspects}; "
+                 "pass `share_dataset=True` to the DataLoader to hold them once, in shared "
+                 "memory, for the main process and all workers. Or hold the data ")
+    else:
+        named = ("Pass `share_dataset=True` to the DataLoader to share the dataset's lists, "
+                 "dicts and arrays of 1 MiB or more (its attributes, two levels deep) between "
+                 "all processes, or hold the data ")
     return (f"DataLoader worker {worker_id}'s private memory grew by {growth / 2**20:.0f} MiB "
             f"since it started (now {uss / 2**20:.0f} MiB). This is most often copy-on-read: "
             "every read of a Python object (a list, dict or str) the dataset holds writes its "
             "reference count, so each worker slowly copies the parent's memory pages (pytorch "
             f"issue 13246). {named}"
-            + ("Or hold the data " if suspects else "")
-            + "in numpy arrays, tensors or Arrow-backed storage (a pyarrow Table, a Hugging Face "
+            "in numpy arrays, tensors or Arrow-backed storage (a pyarrow Table, a Hugging Face "
             "dataset) instead of Python lists and dicts. See the README, 'Workers' memory "
             "grows'. (Logged once.)")
