@@ -20,8 +20,9 @@ Per run, after the epoch, with the workers still alive:
   one-process footprint: the same process's PSS once it has built the
   records, before any loader exists;
 * first batch: seconds from ``iter()`` to the first batch (with
-  ``share_dataset=True`` this includes sharing the records, done then), and
-  the same for a ``--small``-record dataset with the same loader;
+  ``share_dataset=True`` this includes sharing the records, done then, and
+  the table says how much of it that took), and the same for a
+  ``--small``-record dataset with the same loader;
 * throughput: samples/s from the first batch to the last.
 
 Then, in a process of its own, ``torchfeed.share(records)`` against
@@ -29,6 +30,7 @@ Then, in a process of its own, ``torchfeed.share(records)`` against
 
     python benchmarks/share_dataset.py                       # 1,000,000 records (long on 2 cores)
     python benchmarks/share_dataset.py --records 100000 --methods fork   # a quick look
+    python benchmarks/share_dataset.py --report figures.json   # the table of a --json run again
 """
 from __future__ import annotations
 
@@ -142,9 +144,11 @@ def child(method: str, loader_name: str, records: int, workers: int, batch_size:
     assert seen == records, (seen, records)
     pids = [w.pid for w in it._workers]
     memory = tree_memory(os.getpid(), pids)
+    sharing = (sum(f.get("seconds", 0.0) for f in loader.stats()["large_attributes"] if f["shared"])
+               if loader_name == "share" else 0.0)
     del it, loader
     return {"method": method, "loader": loader_name, "records": records,
-            "footprint": footprint, "first_batch": first, "epoch": epoch,
+            "footprint": footprint, "first_batch": first, "sharing": sharing, "epoch": epoch,
             "throughput": (records - batch_size) / max(epoch - first, 1e-9), **memory}
 
 
@@ -163,6 +167,20 @@ def cost(records: int, runs: int) -> dict:
         del copy
         gc.collect()
     return {"pickle": statistics.median(pickled), "share": statistics.median(shared)}
+
+
+def median_run(runs: list) -> dict:
+    """One row from several runs of a setup: the median of each figure; the
+    workers' breakdown of the run with the median total."""
+    for run in runs:
+        run["worker_own"] = max(w["own_private"] for w in run["workers"])
+        run["worker_uss"] = max(w["uss"] for w in run["workers"])
+    row = dict(sorted(runs, key=lambda r: r["total"])[len(runs) // 2])
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            row[key] = statistics.median(r[key] for r in runs)
+    row["runs"] = len(runs)
+    return row
 
 
 def run_child(*args: str, timeout: float) -> dict:
@@ -185,15 +203,17 @@ def report(rows: list, small: dict, costs: dict, args) -> str:
     for row in rows:
         base = next((r for r in rows if r["method"] == row["method"] and r["loader"] == "torchfeed"),
                     None)
-        own = max(w["own_private"] for w in row["workers"]) / MiB
-        uss = max(w["uss"] for w in row["workers"]) / MiB
+        own = row.get("worker_own", max(w["own_private"] for w in row["workers"])) / MiB
+        uss = row.get("worker_uss", max(w["uss"] for w in row["workers"])) / MiB
         ratio = row["total"] / row["footprint"]
         tiny = small.get((row["method"], row["loader"]))
         first = (f"{row['first_batch']:.1f} s"
-                 + (f" ({row['first_batch'] / tiny['first_batch']:.2f}x)" if tiny else ""))
+                 + (f" ({row['first_batch'] / tiny['first_batch']:.2f}x)" if tiny else "")
+                 + (f"; sharing {row['sharing']:.1f} s of it" if row.get("sharing") else ""))
         speed = (f"{row['throughput']:,.0f}"
                  + (f" ({row['throughput'] / base['throughput']:.2f}x)" if base else ""))
-        lines.append(f"| {row['method']} | {LABELS[row['loader']]} | {own:,.0f} MiB ({uss:,.0f} MiB) "
+        runs = f" ({row['runs']} runs)" if row.get("runs", 1) > 1 else ""
+        lines.append(f"| {row['method']} | {LABELS[row['loader']]}{runs} | {own:,.0f} MiB ({uss:,.0f} MiB) "
                      f"| {row['total'] / 2**30:.2f} GiB ({ratio:.2f}x) | {first} | {speed} |")
     footprints = [r["footprint"] for r in rows]
     lines += ["", f"one process holding the records: {statistics.median(footprints) / 2**30:.2f} GiB "
@@ -214,11 +234,22 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--methods", nargs="+", default=["fork", "spawn", "forkserver"])
     parser.add_argument("--loaders", nargs="+", default=list(LOADERS), choices=LOADERS)
+    parser.add_argument("--runs", type=int, default=1,
+                        help="runs of each setup, in rotation; the table shows medians")
     parser.add_argument("--cost-runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--json", help="also write the raw figures here")
+    parser.add_argument("--report", metavar="JSON",
+                        help="print the table of an earlier run's --json file, run nothing")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            saved = json.load(f)
+        args.records = saved["rows"][0]["records"]
+        print(report(saved["rows"], {(r["method"], r["loader"]): r for r in saved["small"]},
+                     saved["cost"], args))
+        return
     if args.child:
         if args.child[0] == "cost":
             print(json.dumps(cost(int(args.child[1]), int(args.child[2]))))
@@ -227,20 +258,21 @@ def main() -> None:
             print(json.dumps(child(method, loader, int(records), int(workers), int(batch))))
         return
 
-    rows, small = [], {}
-    for method in args.methods:
-        for loader in args.loaders:
-            spec = (method, loader)
-            for n, into in ((args.small, "small"), (args.records, "full")):
-                result = run_child(method, loader, str(n), str(args.workers), str(args.batch_size),
-                                   timeout=args.timeout)
-                print(f"# {method} {loader} {n:,} records: first batch {result['first_batch']:.1f} s, "
-                      f"epoch {result['epoch']:.1f} s, total {result['total'] / 2**30:.2f} GiB",
-                      file=sys.stderr, flush=True)
-                if into == "small":
-                    small[spec] = result
-                else:
-                    rows.append(result)
+    runs: dict = {}
+    for _ in range(args.runs):
+        for method in args.methods:
+            for loader in args.loaders:
+                for n in (args.small, args.records):
+                    result = run_child(method, loader, str(n), str(args.workers),
+                                       str(args.batch_size), timeout=args.timeout)
+                    print(f"# {method} {loader} {n:,} records: first batch "
+                          f"{result['first_batch']:.1f} s, epoch {result['epoch']:.1f} s, "
+                          f"total {result['total'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+                    runs.setdefault((method, loader, n), []).append(result)
+    rows = [median_run(runs[(m, loader, args.records)])
+            for m in args.methods for loader in args.loaders]
+    small = {(m, loader): median_run(runs[(m, loader, args.small)])
+             for m in args.methods for loader in args.loaders}
     costs = run_child("cost", str(args.records), str(args.cost_runs), timeout=args.timeout)
     print(report(rows, small, costs, args))
     if args.json:

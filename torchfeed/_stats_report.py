@@ -81,7 +81,7 @@ def _large_attribute_lines(large: list) -> list:
     for f in large:
         if f["shared"]:
             lines.append(f"  shared dataset      `{f['attribute']}`: {f['description']}, "
-                         "one copy for all processes")
+                         f"one copy for all processes (shared in {f['seconds']:.2f} s)")
         else:
             lines.append(f"  copied per worker   `{f['attribute']}`: {f['description']}; "
                          "pass `share_dataset=True`")
