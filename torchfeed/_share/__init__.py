@@ -50,7 +50,10 @@ def share(obj, *, name: str | None = None, group=None):
     if isinstance(obj, (SharedSequence, SharedMapping)) or _is_shared_array(obj):
         return obj
     if name is not None and not isinstance(name, str):
-        raise TypeError(f"torchfeed.share: name must be a str or None, not {type(obj).__name__}")
+        raise TypeError(f"torchfeed.share: name must be a str or None, not {type(name).__name__}")
+    if group is not None and name is None:
+        raise TypeError("torchfeed.share: group= shares across ranks under a name; pass "
+                        "name= too (the same on every rank)")
     if name is not None and _ranks.distributed(group):
         return _ranks.share_across_ranks(obj, name, group, share_here)
     return share_here(obj, name)
@@ -80,7 +83,7 @@ def share_here(obj, name: str | None):
         return share_tensor(obj)
     if isinstance(obj, (list, tuple, dict)):
         raise TypeError(
-            f"torchfeed.share: a {kind.__name__} is a {_base_name(obj)} subclass, whose own "
+            f"torchfeed.share: {kind.__name__} is a {_base_name(obj)} subclass, whose own "
             f"behaviour a shared {_base_name(obj)} would lose; share {_base_name(obj)}(x) "
             f"if that behaviour is not needed, or leave it unshared.")
     raise TypeError(f"torchfeed.share takes {SHAREABLE} (or a callable returning one), "

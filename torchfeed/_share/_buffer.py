@@ -29,6 +29,7 @@ loads anywhere, into a new buffer.
 
 from __future__ import annotations
 
+import copyreg
 import fcntl
 import io
 import os
@@ -50,7 +51,6 @@ PICKLE_PROTOCOL = 5
 # Records are pickled into memory and moved into the memfd in pieces of about
 # this size, so building a buffer holds at most this much besides the buffer.
 FLUSH_BYTES = 32 << 20
-_FLUSH_CHECK_EVERY = 0x0FFF  # items between two size checks (a mask)
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
@@ -92,6 +92,7 @@ class BufferWriter:
         """Pickle each of ``items`` as one record (call once)."""
         pending = io.BytesIO()
         pickler = pickle.Pickler(pending, protocol=PICKLE_PROTOCOL)
+        pickler.dispatch_table = _RECORD_REDUCERS  # consulted only for non-builtin types
         offsets: list[int] = []
         note, where, dump, forget = offsets.append, pending.tell, pickler.dump, pickler.clear_memo
         base = self._end
@@ -101,7 +102,7 @@ class BufferWriter:
                 note(base + where())
                 dump(item)
                 forget()
-                if not position & _FLUSH_CHECK_EVERY and where() >= FLUSH_BYTES:
+                if where() >= FLUSH_BYTES:
                     base = self._flush(pending)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise _Unpicklable(position, exc) from exc
@@ -134,12 +135,17 @@ class BufferWriter:
         os.ftruncate(self.fd, max(self._end, HEADER_BYTES))
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
         fd, self.fd = self.fd, -1
-        return SharedBuffer(fd)
+        return SharedBuffer(fd, populate=True)
 
     def abandon(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _refuse_nested(buffer):
+    raise TypeError("a shared container cannot hold another one (each read would copy it "
+                    "into new shared memory); share the plain data in one piece")
 
 
 def _close(fd: int) -> None:
@@ -155,16 +161,22 @@ class SharedBuffer:
     ``nbytes``.
 
     Owns one descriptor, closed when the buffer is garbage; the mapping lives
-    on while any view of it does (``_arena.SharedMap``)."""
+    on while any view of it does (``_arena.SharedMap``).
+
+    The process that writes a buffer maps all of it at once (``populate``):
+    a page mapped by two processes counts as shared, so a worker that alone
+    reads some part of the buffer does not see that part in its private
+    memory (USS, what ``stats()`` and the copy-on-read warning read). Other
+    processes map pages as they read them."""
 
     __slots__ = ("fd", "nbytes", "address", "view", "header", "offsets", "_finalizer",
                  "__weakref__")
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, populate: bool = False):
         self.fd = fd
         self._finalizer = weakref.finalize(self, _close, fd)
         self.nbytes = os.fstat(fd).st_size
-        mapping = _arena.SharedMap(fd, self.nbytes, writable=False)
+        mapping = _arena.SharedMap(fd, self.nbytes, populate=populate, writable=False)
         self.address = mapping.addr
         self.view = memoryview(mapping.array)
         magic, kind, *rest = HEADER.unpack_from(self.view, 0)
@@ -226,7 +238,8 @@ def _buffer_from_bytes(data: bytes) -> SharedBuffer:
     except BaseException:
         writer.abandon()
         raise
-    return SharedBuffer(fd)
+    return SharedBuffer(fd, populate=True)
 
 
 reduction.ForkingPickler.register(SharedBuffer, SharedBuffer.reduce_for_process)
+_RECORD_REDUCERS = {**copyreg.dispatch_table, SharedBuffer: _refuse_nested}

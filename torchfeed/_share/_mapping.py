@@ -78,7 +78,9 @@ class SharedMapping(Mapping):
         header = buffer.header
         if header.hash_modulus != sys.hash_info.modulus:
             # built where numbers hash differently (another platform): reindex
-            return build_mapping(dict(_pairs(buffer)), None)
+            values = dict(_pairs(buffer))
+            return build_mapping(values if default_factory is None
+                                 else defaultdict(default_factory, values), None)
         self = object.__new__(cls)
         self._buffer = buffer
         self._view, self._offsets = buffer.view, buffer.offsets

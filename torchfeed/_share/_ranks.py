@@ -16,7 +16,7 @@ collective call over the group's ranks (torch.distributed's own
 
 Where ``/proc/<pid>/fd`` cannot be opened (a hardened ``/proc``, ranks in
 separate containers that share a hostname), a rank builds its own copy and
-warns. An error on the building rank is raised on every rank of its host.
+warns. An error on a building rank is raised on every rank of the group.
 """
 
 from __future__ import annotations
@@ -104,14 +104,15 @@ def share_across_ranks(obj, name: str, group, share_here):
     handles: list = [None] * world
     sent = (handle, None if failure is None else f"{type(failure).__name__}: {failure}")
     dist.all_gather_object(handles, sent, group=group)
-    builder_handle, builder_error = handles[builder]
-    if failure is not None:
+    builder_handle = handles[builder][0]
+    failed = [(rank, error) for rank, (_, error) in enumerate(handles) if error is not None]
+    if failed:  # every rank raises, so that none goes on to a collective the others skip
         dist.barrier(group=group)
-        raise failure
-    if builder_error is not None:
-        dist.barrier(group=group)
-        raise RuntimeError(f"torchfeed.share(name={name!r}): rank {builder} of the group, "
-                           f"which builds this host's copy, failed: {builder_error}")
+        if failure is not None:
+            raise failure
+        rank, error = failed[0]
+        raise RuntimeError(f"torchfeed.share(name={name!r}): rank {rank} of the group, which "
+                           f"builds its host's copy, failed: {error}")
     if me != builder:
         try:
             shared = open_handle(builder_handle)
