@@ -102,10 +102,11 @@ def find_large(dataset) -> list[Found]:
     return found
 
 
-def share_dataset(dataset) -> list[dict]:
+def share_dataset(dataset, originals: list | None = None) -> list[dict]:
     """Replace each large attribute of ``dataset`` by its shared version, in
     place.  Returns those replaced, as ``census`` names them (``"shared": True``,
-    and the ``"seconds"`` sharing took).
+    and the ``"seconds"`` sharing took); the replaced objects are appended to
+    ``originals``, when given, for the caller to drop when it likes.
     Logs what it shared (INFO) and what it left alone, and why (WARNING)."""
     replaced = []
     for found in find_large(dataset):
@@ -126,6 +127,8 @@ def share_dataset(dataset) -> list[dict]:
             logger.warning("share_dataset: left %s (%s) unshared: setting %s.%s failed: %r",
                            found.path, what, type(found.owner).__name__, found.name, exc)
             continue
+        if originals is not None:
+            originals.append(found.value)
         seconds = time.perf_counter() - began
         logger.info("share_dataset: shared %s (%s) in %.2f s", found.path, what, seconds)
         replaced.append({"attribute": found.path, "description": what, "bytes": found.nbytes,
@@ -133,12 +136,21 @@ def share_dataset(dataset) -> list[dict]:
     return replaced
 
 
-def share_once(loader) -> None:
-    """Share ``loader.dataset``'s large attributes if the loader asks for it
-    and has not done it yet (persistent workers, a second ``iter()``)."""
-    if not getattr(loader, "share_dataset", False) or "_shared_attributes" in loader.__dict__:
-        return
-    loader.__dict__["_shared_attributes"] = share_dataset(loader.dataset)
+def sharing_pending(loader) -> bool:
+    """The loader asks for ``share_dataset`` and has not shared yet (persistent
+    workers, a second ``iter()``: once is enough)."""
+    return bool(getattr(loader, "share_dataset", False)) and "_shared_attributes" not in loader.__dict__
+
+
+def share_once(loader, keep_originals: bool = False) -> list:
+    """Share ``loader.dataset``'s large attributes if ``sharing_pending``.
+    With ``keep_originals``, returns the replaced objects, which then live
+    until the caller drops the list (``[]`` otherwise)."""
+    if not sharing_pending(loader):
+        return []
+    originals: list | None = [] if keep_originals else None
+    loader.__dict__["_shared_attributes"] = share_dataset(loader.dataset, originals)
+    return originals or []
 
 
 def census(dataset) -> list[dict]:
