@@ -262,18 +262,20 @@ def test_workers_reading_every_record_hold_no_copy_of_them(start_method):
 
 
 @pytest.mark.timeout(60)
-def test_the_main_process_lets_go_of_its_own_copy():
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_the_main_process_lets_go_of_its_own_copy(start_method):
     """In place: the dataset's attribute is replaced, so the original objects are
-    freed in the main process too (nothing else refers to them here)."""
+    freed in the main process too (nothing else refers to them here): under
+    fork before the workers are forked, under spawn once they are launched."""
     records = annotation_records(20_000)
     records[7] = WeakDict(records[7])
     probe = weakref.ref(records[7])
     dataset = Records(records)
     del records
     loader = torchfeed.DataLoader(dataset, batch_size=1000, num_workers=1, share_dataset=True,
-                                  multiprocessing_context="fork")
-    list(loader)
-    gc.collect()
+                                  multiprocessing_context=start_method)
+    it = iter(loader)
     assert probe() is None, "the main process still holds the original records"
+    list(it)
     assert is_shared(dataset.records)
     assert dataset.records[7] == annotation(7) and type(dataset.records[7]) is WeakDict

@@ -56,6 +56,7 @@ from ._stats import LiveCounts
 from ._torch_compat import assertion_message, in_order, pin_device_index
 from ._transport import _page_lock, create_channel
 from ._worker import WorkerSpec
+from ._worker_costs import in_background
 
 _live_iterators: weakref.WeakSet = weakref.WeakSet()
 
@@ -69,8 +70,9 @@ def _shutdown_live_iterators() -> None:
 def _share_first(loader) -> list:
     """``share_dataset=True``: share the dataset's large attributes before the
     first workers start, once per loader.  Under spawn and forkserver the
-    replaced objects are returned, to be dropped once the workers are launched:
-    freeing them then overlaps the workers' start.  A forked worker must not
+    replaced objects are returned, to be freed in a thread once the workers are
+    launched (``_worker_costs.in_background``, joined before any fork): freeing
+    them then overlaps the workers' start.  A forked worker must not
     inherit them (the main process would write their pages as it frees them,
     and the workers would keep the old ones), so under fork they go at once.
     A fork server is started first, to import torch while the main process shares."""
@@ -133,7 +135,9 @@ class MultiProcessIterator(BaseIterator):
         try:
             for worker_id in range(self._num_workers):
                 self._start_worker(ctx, spec, worker_id)
-            originals.clear()  # share_dataset=True's replaced objects: freed as the workers start
+            if originals:  # share_dataset=True's replaced objects: freed while the workers start
+                in_background(originals.clear, "torchfeed-free-dataset")
+                del originals
             # The pin thread calls the receiver at once, which reads the
             # live-worker flags: start it only once _reset has set them.
             self._reset(loader, first_iter=True)

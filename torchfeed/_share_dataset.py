@@ -66,26 +66,30 @@ class Found(NamedTuple):
 def find_large(dataset) -> list[Found]:
     """The large lists, tuples, dicts and arrays ``dataset`` holds, two levels deep."""
     found: list[Found] = []
-    seen: set[int] = set()
-    budget = [_MAX_OBJECTS]
-
-    def visit(obj, path: str, level: int) -> None:
+    seen: set[int] = {id(dataset)}
+    # (object, its path, its level): level 1 is a dataset's, 2 a plain object's it holds.
+    # A stack, not a recursive closure: a closure's reference cycle would keep the
+    # replaced objects alive until the garbage collector ran.
+    stack: list[tuple[Any, str, int]] = [(dataset, "dataset", 1)]
+    budget = _MAX_OBJECTS
+    while stack:
+        obj, path, level = stack.pop()
         for name, value in _attributes(obj):
-            budget[0] -= 1
-            if budget[0] < 0:
-                return
+            budget -= 1
+            if budget < 0:
+                return found
             where = f"{path}.{name}"
             if id(value) in seen:
                 continue
             if _is_dataset(value):
                 seen.add(id(value))
-                visit(value, where, 1)
+                stack.append((value, where, 1))
                 continue
             if type(value) in (list, tuple) and 0 < len(value) <= 1024 and _is_dataset(value[0]):
                 for i, item in enumerate(value):  # ConcatDataset.datasets
                     if _is_dataset(item) and id(item) not in seen:
                         seen.add(id(item))
-                        visit(item, f"{where}[{i}]", 1)
+                        stack.append((item, f"{where}[{i}]", 1))
                 continue
             size = estimate_bytes(value)
             if size is not None:
@@ -95,10 +99,8 @@ def find_large(dataset) -> list[Found]:
                 continue
             if level < 2 and _is_plain(value):
                 seen.add(id(value))
-                visit(value, where, level + 1)
-
-    seen.add(id(dataset))
-    visit(dataset, "dataset", 1)
+                stack.append((value, where, level + 1))
+    found.sort(key=lambda f: f.path)
     return found
 
 

@@ -111,6 +111,23 @@ _readings: set[threading.Thread] = set()
 _readings_lock = threading.Lock()
 
 
+def in_background(work, name: str) -> None:
+    """Run ``work()`` in a daemon thread that ``finish_readings`` joins too, so
+    that no fork happens while it runs (``share_dataset=True`` frees the
+    dataset's replaced objects so, while the workers start)."""
+    def run() -> None:
+        try:
+            work()
+        finally:
+            with _readings_lock:
+                _readings.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with _readings_lock:
+        _readings.add(thread)
+    thread.start()
+
+
 def finish_readings() -> None:
     """Wait for every reading still running: called just before a worker is forked."""
     with _readings_lock:
