@@ -23,7 +23,7 @@ from torchfeed._torch_compat import (
 
 TorchLoader = torch.utils.data.DataLoader
 TORCHFEED_ONLY = {"transport", "seed_per_batch", "snapshot_every_n_steps", "log_every",
-                  "max_worker_restarts", "device"}
+                  "max_worker_restarts", "device", "share_dataset"}
 
 
 # -- signature ---------------------------------------------------------------------------

@@ -25,9 +25,11 @@ def resolve_transport(transport: str | None = None) -> str:
     return transport
 
 
-def validate_options(*, seed_per_batch, snapshot_every_n_steps) -> None:
+def validate_options(*, seed_per_batch, snapshot_every_n_steps, share_dataset=False) -> None:
     if not isinstance(seed_per_batch, bool):
         raise TypeError(f"seed_per_batch must be True or False, but got {seed_per_batch!r}")
+    if not isinstance(share_dataset, bool):
+        raise TypeError(f"share_dataset must be True or False, but got {share_dataset!r}")
     # torchdata's StatefulDataLoader takes any int (0 or None: no snapshots) and
     # checks nothing; torchfeed ignores it, so only a non-number is refused.
     if snapshot_every_n_steps is not None and (

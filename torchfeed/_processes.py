@@ -191,6 +191,20 @@ def _preload_forkserver(dataset):
     return user_list
 
 
+def start_forkserver_now(dataset) -> None:
+    """Start the fork server now, with its preload list (NOTE [ Forkserver
+    preload ]), so that it imports torch while the main process still has
+    work to do before its first worker (``share_dataset=True``); that worker
+    then finds it running.  A server already running is left as it is."""
+    preloaded = _preload_forkserver(dataset)
+    if preloaded is None:
+        return
+    try:
+        _forkserver().ensure_running()
+    finally:
+        _forkserver().set_forkserver_preload(preloaded)
+
+
 def _defining_modules(dataset) -> list[str]:
     """The module that defines the dataset's class (and, for a wrapper such as
     torch's Subset, the wrapped dataset's), where the server would import

@@ -38,7 +38,10 @@ them when ``stats()`` is called while the workers live, and every
 background ``MemoryReading``, whose figures the next batch takes up.  Nothing
 reads them on the training thread unasked: not the log line, and not the
 shutdown, which only waits for a reading already running.  An epoch without
-persistent workers so keeps its latest reading.
+persistent workers so keeps its latest reading.  ``large_attributes`` names
+the dataset's lists, dicts and arrays of 1 MiB or more: those that
+``share_dataset=True`` shared, and the Python containers every worker copies
+(``_share_dataset.census``, looked at once, when first asked).
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ import weakref
 from time import monotonic, perf_counter
 from typing import Any, NamedTuple
 
-from . import _worker_costs
+from . import _share_dataset, _worker_costs
 from ._stats_report import LoaderStats, log_line, make_visible
 
 logger = logging.getLogger("torchfeed")
@@ -71,7 +74,7 @@ class IteratorStats:
                  "start", "end", "wait", "yielded", "next_log", "worker_batches",
                  "worker_busy", "epoch", "_pin_base", "_live", "_window", "persistent",
                  "_begun", "_start_mono", "_starts", "_uss_start", "_next_memory_check",
-                 "_reading",
+                 "_reading", "_dataset", "_shared", "_large",
                  "__weakref__")
     end: float | None
     _next_memory_check: float
@@ -89,6 +92,11 @@ class IteratorStats:
         self._live = _idle_live(self.num_workers)
         self._uss_start = {}  # kept across a persistent iterator's epochs
         self._reading = None
+        # share_dataset=True's work (done before this iterator), and the dataset to
+        # look at for large attributes left unshared, when stats() first asks.
+        self._dataset = loader.dataset if self.num_workers else None
+        self._shared = list(loader.__dict__.get("_shared_attributes", ()))
+        self._large: list | None = None if self.num_workers else []
         # The iterator is still being built: nothing of it is live to read yet.
         self._zero(epoch, pin_base=0.0)
         self._start_clock(None)
@@ -242,9 +250,27 @@ class IteratorStats:
             held = self._live["shm"].get("worker_bytes") or []
             growth = [self._growth(i, u) for i, u in enumerate(uss)]
             _worker_costs.check_growth([g if g is None or i >= len(held) else g - held[i]
-                                        for i, g in enumerate(growth)], uss)
+                                        for i, g in enumerate(growth)], uss, self._suspects)
         except Exception:  # statistics must never break the training loop
             logger.debug("torchfeed: could not read workers' memory", exc_info=True)
+
+    def _large_attributes(self) -> list:
+        """The dataset's large attributes: shared by ``share_dataset=True``, or
+        left as Python objects that every worker copies (``_share_dataset.census``)."""
+        if self._large is None:
+            try:
+                unshared = _share_dataset.census(self._dataset)
+            except Exception:  # statistics must never break the training loop
+                logger.debug("torchfeed: could not look at the dataset's attributes", exc_info=True)
+                unshared = []
+            self._large, self._dataset = self._shared + unshared, None
+        return self._large
+
+    def _suspects(self) -> str:
+        large = self._large_attributes()
+        unshared = [f for f in large if not f["shared"]]
+        return (_share_dataset.naming(unshared) if unshared or not large
+                else _worker_costs.SHARED_ALREADY)
 
     def _growth(self, worker_id: int, uss):
         start = self._uss_start.get(worker_id)
@@ -293,7 +319,8 @@ class IteratorStats:
             shm=dict(live["shm"]), pin_thread_busy_seconds=live["pin"],
             persistent_workers=self.persistent, worker_start_seconds=start_seconds,
             worker_start_fraction=(None if start_seconds is None
-                                   else min(1.0, start_seconds / max(since_launch, 1e-9))))
+                                   else min(1.0, start_seconds / max(since_launch, 1e-9))),
+            large_attributes=[dict(f) for f in self._large_attributes()])
 
     def __reduce__(self):
         # A loader that is pickled or deep-copied keeps its last stats, not the
@@ -334,7 +361,7 @@ def empty_stats(loader) -> LoaderStats:
         queues={"in_flight": 0, "ready": 0, "limit": (loader.prefetch_factor or 0) * n},
         shm=dict(_NO_SHM), pin_thread_busy_seconds=None,
         persistent_workers=bool(loader.persistent_workers), worker_start_seconds=None,
-        worker_start_fraction=None)
+        worker_start_fraction=None, large_attributes=[])
 
 
 _NO_SHM: dict[str, Any] = {"slots": 0, "in_use": 0, "bytes": 0, "in_use_bytes": None, "reuse_bytes": 0,

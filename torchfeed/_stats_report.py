@@ -72,8 +72,22 @@ class LoaderStats(dict):
                        else f" ({'+' if w['uss_growth_bytes'] >= 0 else '-'}"
                             f"{human(abs(w['uss_growth_bytes']))} since start)")
                     for w in grown))
+            lines.extend(_large_attribute_lines(s.get("large_attributes") or []))
         lines.append(f"  verdict             {verdict(s)}")
         return "\n".join(lines)
+
+
+def _large_attribute_lines(large: list) -> list:
+    """The dataset's large attributes: shared, or copied by every worker."""
+    lines = []
+    for f in large:
+        if f["shared"]:
+            lines.append(f"  shared dataset      `{f['attribute']}`: {f['description']}, "
+                         f"one copy for all processes (shared in {f['seconds']:.2f} s)")
+        else:
+            lines.append(f"  copied per worker   `{f['attribute']}`: {f['description']}; "
+                         "pass `share_dataset=True`")
+    return lines
 
 
 def verdict(s) -> str:

@@ -7,7 +7,9 @@ private memory (USS) then; ``_stats.py`` keeps those per epoch.  This module
 reads workers' USS now, works out the seconds spent starting workers this
 epoch, and logs the copy-on-read warning: a worker whose USS grew by more than
 ``USS_GROWTH_WARN`` since it started is almost always copying the parent's
-Python objects page by page as it reads them (pytorch issue 13246).  The
+Python objects page by page as it reads them (pytorch issue 13246); the
+warning names the dataset's attributes that are copied (``_share_dataset``'s
+``census``) and says to pass ``share_dataset=True``.  The
 growth is checked every ``MEMORY_CHECK_EVERY`` seconds of iteration, and the
 warning is logged once per process.
 
@@ -23,7 +25,9 @@ happens with a thread of ours alive, as in torch.
 from __future__ import annotations
 
 import logging
+import re
 import threading
+from collections.abc import Callable
 
 import psutil
 
@@ -33,17 +37,44 @@ USS_GROWTH_WARN = 256 * 2**20  # a worker's private memory grown this much since
 MEMORY_CHECK_EVERY = 10.0      # seconds of iteration between checks of workers' memory
 
 _warned = False
+# ``suspects`` when share_dataset=True shared every large attribute it found.
+SHARED_ALREADY = "(shared already)"
 
 
 def private_bytes(pids) -> list:
-    """Each process's private memory (USS) in bytes, or None where it cannot be read."""
+    """Each process's private memory (USS) in bytes, or None where it cannot be read.
+
+    Pages of ``torchfeed.share``'s buffers are left out: they are the one copy
+    all processes map, private to a worker only because no other process has
+    touched them yet (``share_dataset=True``; see ``uss_without_shared_buffers``)."""
     out = []
     for pid in pids:
         try:
-            out.append(psutil.Process(pid).memory_full_info().uss if pid else None)
+            out.append(uss_without_shared_buffers(pid) if pid else None)
         except (psutil.Error, OSError, AttributeError):
             out.append(None)
     return out
+
+
+_PRIVATE = re.compile(rb"\nPrivate_(?:Clean|Dirty):\s+(\d+)")
+_SHARED_BUFFER = re.compile(rb"\n[0-9a-f]+-[0-9a-f]+ [^\n]*memfd:torchfeed-share[^\n]*(.*?)"
+                            rb"(?=\n[0-9a-f]+-[0-9a-f]+ |\Z)", re.S)
+
+
+def uss_without_shared_buffers(pid: int) -> int:
+    """``pid``'s USS, less the pages of ``torchfeed.share`` buffers (memfds named
+    ``torchfeed-share``) that only it maps.  psutil's USS where there is no smaps."""
+    try:
+        with open(f"/proc/{pid}/smaps", "rb") as f:
+            smaps = b"\n" + f.read()
+    except FileNotFoundError:
+        if psutil.pid_exists(pid):
+            return psutil.Process(pid).memory_full_info().uss
+        raise psutil.NoSuchProcess(pid) from None
+    total = sum(int(kib) for kib in _PRIVATE.findall(smaps))
+    for buffer in _SHARED_BUFFER.finditer(smaps):
+        total -= sum(int(kib) for kib in _PRIVATE.findall(buffer.group(1)))
+    return total * 1024
 
 
 class MemoryReading:
@@ -84,6 +115,23 @@ _readings: set[threading.Thread] = set()
 _readings_lock = threading.Lock()
 
 
+def in_background(work, name: str) -> None:
+    """Run ``work()`` in a daemon thread that ``finish_readings`` joins too, so
+    that no fork happens while it runs (``share_dataset=True`` frees the
+    dataset's replaced objects so, while the workers start)."""
+    def run() -> None:
+        try:
+            work()
+        finally:
+            with _readings_lock:
+                _readings.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with _readings_lock:
+        _readings.add(thread)
+    thread.start()
+
+
 def finish_readings() -> None:
     """Wait for every reading still running: called just before a worker is forked."""
     with _readings_lock:
@@ -119,24 +167,38 @@ def growth_warned() -> bool:
     return _warned
 
 
-def check_growth(growth: list, uss: list) -> None:
+def check_growth(growth: list, uss: list, suspects: Callable[[], str] = str) -> None:
     """Log the copy-on-read warning, once per process, for the first worker
-    that grew past ``USS_GROWTH_WARN``."""
+    that grew past ``USS_GROWTH_WARN``; ``suspects()`` names the dataset's
+    attributes that are copied (``_share_dataset.naming``), only then."""
     global _warned
     if _warned:
         return
     for worker_id, (grown, now) in enumerate(zip(growth, uss)):
         if grown is not None and grown > USS_GROWTH_WARN:
             _warned = True
-            logger.warning(copy_on_read_warning(worker_id, grown, now))
+            logger.warning(copy_on_read_warning(worker_id, grown, now, suspects()))
             return
 
 
-def copy_on_read_warning(worker_id: int, growth: int, uss: int) -> str:
+def copy_on_read_warning(worker_id: int, growth: int, uss: int, suspects: str = "") -> str:
+    if suspects == SHARED_ALREADY:
+        named = ("The dataset's large attributes are shared already (share_dataset=True): "
+                 "look for other Python objects the workers read (module globals, objects "
+                 "deeper than two levels of attributes), or hold the data ")
+    elif suspects:
+        named = (f"The dataset's large Python containers, copied by every worker: {suspects}; "
+                 "pass `share_dataset=True` to the DataLoader to hold them once, in shared "
+                 "memory, for the main process and all workers. Or hold the data ")
+    else:
+        named = ("Pass `share_dataset=True` to the DataLoader to share the dataset's lists, "
+                 "dicts and arrays of 1 MiB or more (its attributes, two levels deep) between "
+                 "all processes, or hold the data ")
     return (f"DataLoader worker {worker_id}'s private memory grew by {growth / 2**20:.0f} MiB "
             f"since it started (now {uss / 2**20:.0f} MiB). This is most often copy-on-read: "
             "every read of a Python object (a list, dict or str) the dataset holds writes its "
             "reference count, so each worker slowly copies the parent's memory pages (pytorch "
-            "issue 13246). Hold the data in numpy arrays, tensors or Arrow-backed storage (a "
-            "pyarrow Table, a Hugging Face dataset) instead of Python lists and dicts. See the "
-            "README, 'Workers' memory grows'. (Logged once.)")
+            f"issue 13246). {named}"
+            "in numpy arrays, tensors or Arrow-backed storage (a pyarrow Table, a Hugging Face "
+            "dataset) instead of Python lists and dicts. See the README, 'Workers' memory "
+            "grows'. (Logged once.)")

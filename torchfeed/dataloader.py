@@ -80,6 +80,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             training loop computes on the one before, and the loop's current
             stream waits for the copy on the GPU.  Default ``None``: batches
             stay on the CPU, as in torch.  See the README, "Feeding a GPU".
+        share_dataset (bool): before the workers first start, replace the
+            dataset's large attributes (a ``list``, ``tuple``, ``dict``,
+            ``defaultdict`` or array of 1 MiB or more, on the dataset, on the
+            plain objects it holds, two levels deep, and on the datasets a
+            ``Subset`` or ``ConcatDataset`` wraps) by read-only shared versions
+            (:func:`torchfeed.share`), in place: the main process and every
+            worker then hold one copy between them, read without copy-on-read
+            under ``fork`` and sent as a handle under ``spawn`` and
+            ``forkserver``.  Each read builds a fresh object; a write raises
+            ``TypeError``.  Done once per loader; nothing is shared with
+            ``num_workers=0``.  Default ``False``.  See the README,
+            "Workers' memory grows".
     """
 
     # One definition for every supported release.  ``in_order`` is forwarded to
@@ -94,7 +106,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=_NOT_GIVEN, transport=None, seed_per_batch=False,
                  snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0,
-                 device=None):
+                 device=None, share_dataset=False):
         releases_only = {} if in_order is _NOT_GIVEN else {"in_order": in_order}
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
@@ -105,12 +117,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
             **releases_only)
         self._set_options(dataset, transport, seed_per_batch, snapshot_every_n_steps,
-                          log_every, max_worker_restarts, device)
+                          log_every, max_worker_restarts, device, share_dataset)
 
     def _set_options(self, dataset, transport, seed_per_batch, snapshot_every_n_steps,
-                     log_every, max_worker_restarts, device) -> None:
+                     log_every, max_worker_restarts, device, share_dataset) -> None:
         validate_options(seed_per_batch=seed_per_batch,
-                         snapshot_every_n_steps=snapshot_every_n_steps)
+                         snapshot_every_n_steps=snapshot_every_n_steps,
+                         share_dataset=share_dataset)
+        self.share_dataset = share_dataset
         self.transport = resolve_transport(transport)
         self.seed_per_batch = seed_per_batch
         self.snapshot_every_n_steps = snapshot_every_n_steps

@@ -55,7 +55,7 @@ _FROM_USER = ("num_workers", "collate_fn", "pin_memory", "timeout", "multiproces
               "prefetch_factor", "persistent_workers", "pin_memory_device",
               *(("in_order",) if TAKES_IN_ORDER else ()),  # torch 2.6 on
               "transport", "seed_per_batch", "snapshot_every_n_steps", "log_every",
-              "max_worker_restarts", "device")
+              "max_worker_restarts", "device", "share_dataset")
 
 
 def prepare(framework_prepare, loader, *args, **kwargs):

@@ -1,0 +1,281 @@
+"""``DataLoader(share_dataset=True)``: the dataset's large attributes are
+replaced by shared ones before the workers first start, with real workers
+under fork, spawn and forkserver.
+
+Batches are compared with torch's DataLoader over an identical dataset left
+as it is; the memory tests read each worker's own private pages from
+``/proc/<pid>/smaps`` (``share_datasets.own_private_bytes``).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import warnings
+import weakref
+from collections import defaultdict
+
+import pytest
+import torch
+from share_datasets import (
+    CocoDetectionLike,
+    Records,
+    WeakDict,
+    annotation,
+    annotation_records,
+    own_private_bytes,
+)
+
+import torchfeed
+import torchfeed._worker_costs as costs
+from torchfeed._share import SharedMapping, SharedSequence, is_shared
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+START_METHODS = ["fork", "spawn", "forkserver"]
+MiB = 2**20
+
+
+def torchs_batches(dataset, **kwargs) -> list:
+    return list(torch.utils.data.DataLoader(dataset, **kwargs))
+
+
+def assert_same_batches(got: list, expected: list) -> None:
+    assert len(got) == len(expected)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), f"batch {i} differs"
+
+
+def shuffled(seed: int = 0) -> dict:
+    return {"shuffle": True, "generator": torch.Generator().manual_seed(seed)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_coco_like_attributes_are_shared_and_batches_equal_torchs(start_method, caplog):
+    dataset = CocoDetectionLike(3000)
+    expected = torchs_batches(CocoDetectionLike(3000), batch_size=16, **shuffled())
+    coco = dataset.coco
+    cats, note = coco.cats, dataset.note
+    missing = next(i for i in dataset.ids if i not in coco.imgToAnns)  # an image without annotations
+    loader = torchfeed.DataLoader(dataset, batch_size=16, num_workers=2, share_dataset=True,
+                                  multiprocessing_context=start_method, **shuffled())
+    with caplog.at_level(logging.INFO, logger="torchfeed"):
+        got = list(loader)
+    assert_same_batches(got, expected)
+
+    # Two levels deep: the COCO object's indexes, as pycocotools lays them out.
+    assert type(coco.anns) is SharedMapping and type(coco.imgs) is SharedMapping
+    assert type(coco.imgToAnns) is SharedMapping and coco.imgToAnns.original_type is defaultdict
+    # COCO.dataset (the annotation file: a few large lists) keeps its keys; its large
+    # lists are shared one by one, so reading one does not load the others.
+    assert type(coco.dataset) is dict
+    assert type(coco.dataset["annotations"]) is SharedSequence
+    assert type(coco.dataset["images"]) is SharedSequence
+    # Small attributes are left as they are, the same objects.
+    assert coco.cats is cats and dataset.note is note and type(dataset.ids) is list
+    # defaultdict's lookup, read-only: the default comes back, nothing is inserted.
+    assert coco.imgToAnns[missing] == [] and missing not in coco.imgToAnns
+    with pytest.raises(TypeError, match="read-only"):
+        coco.anns[0] = {}
+    shared = [f["attribute"] for f in loader.stats()["large_attributes"] if f["shared"]]
+    assert set(shared) >= {"dataset.coco.anns", "dataset.coco.imgs", "dataset.coco.imgToAnns",
+                           "dataset.coco.dataset"}, shared
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name == "torchfeed")
+    assert "share_dataset: shared dataset.coco.anns (a dict of" in logged, logged
+
+
+@pytest.mark.timeout(60)
+def test_subset_and_concat_are_followed_to_the_datasets_they_wrap():
+    first, second = Records(annotation_records(3000)), Records(annotation_records(4000))
+    wrapped = torch.utils.data.ConcatDataset([first, torch.utils.data.Subset(second, range(0, 4000, 2))])
+    expected = torchs_batches(torch.utils.data.ConcatDataset(
+        [Records(annotation_records(3000)),
+         torch.utils.data.Subset(Records(annotation_records(4000)), range(0, 4000, 2))]),
+        batch_size=50, **shuffled(1))
+    loader = torchfeed.DataLoader(wrapped, batch_size=50, num_workers=1, share_dataset=True,
+                                  multiprocessing_context="fork", **shuffled(1))
+    assert_same_batches(list(loader), expected)
+    assert type(first.records) is SharedSequence and type(second.records) is SharedSequence
+    assert first.labels == [0, 1, 2] and type(first.labels) is list
+    shared = {f["attribute"] for f in loader.stats()["large_attributes"]}
+    assert shared == {"dataset.datasets[0].records", "dataset.datasets[1].dataset.records"}
+
+
+@pytest.mark.timeout(60)
+def test_shared_once_across_epochs_and_iterators():
+    dataset = Records(annotation_records(3000))
+    loader = torchfeed.DataLoader(dataset, batch_size=100, num_workers=1, share_dataset=True,
+                                  persistent_workers=True, multiprocessing_context="fork")
+    first = [b.clone() for b in loader]
+    shared = dataset.records
+    assert type(shared) is SharedSequence
+    second = list(loader)  # the same persistent workers
+    assert dataset.records is shared
+    other = torchfeed.DataLoader(dataset, batch_size=100, num_workers=1, share_dataset=True,
+                                 multiprocessing_context="fork")
+    assert_same_batches(list(other), first)
+    assert_same_batches(list(other), second)  # a second iter() starts new workers
+    assert dataset.records is shared
+
+
+@pytest.mark.timeout(30)
+def test_num_workers_0_shares_nothing():
+    """No worker, no copy: the main process reads its own objects, as torch's loader does."""
+    dataset = Records(annotation_records(3000))
+    records = dataset.records
+    loader = torchfeed.DataLoader(dataset, batch_size=100, share_dataset=True)
+    assert_same_batches(list(loader), torchs_batches(Records(annotation_records(3000)),
+                                                     batch_size=100))
+    assert dataset.records is records
+
+
+@pytest.mark.timeout(30)
+def test_share_dataset_must_be_a_bool():
+    with pytest.raises(TypeError, match="share_dataset must be True or False, but got 'yes'"):
+        torchfeed.DataLoader(Records([]), share_dataset="yes")
+
+
+@pytest.mark.timeout(60)
+def test_a_dict_subclass_is_left_alone_and_named(caplog):
+    class Counts(dict):
+        pass
+
+    dataset = Records(annotation_records(2000))
+    dataset.by_id = Counts((i, [float(i)] * 16) for i in range(20_000))
+    loader = torchfeed.DataLoader(dataset, batch_size=100, num_workers=1, share_dataset=True,
+                                  multiprocessing_context="fork")
+    with caplog.at_level(logging.INFO, logger="torchfeed"):
+        list(loader)
+    assert type(dataset.by_id) is Counts and type(dataset.records) is SharedSequence
+    left = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(left) == 1 and left[0].startswith(
+        "share_dataset: left dataset.by_id (a Counts of 20,000 lists"), left
+    assert "convert it to a dict to share it" in left[0]
+
+
+@pytest.mark.timeout(60)
+def test_resume_with_shared_attributes_equals_torchs_epoch():
+    expected = torchs_batches(Records(annotation_records(4000)), batch_size=100, **shuffled(2))
+    loader = torchfeed.DataLoader(Records(annotation_records(4000)), batch_size=100,
+                                  num_workers=2, share_dataset=True,
+                                  multiprocessing_context="fork", **shuffled(2))
+    it = iter(loader)
+    head = [next(it) for _ in range(7)]
+    state = loader.state_dict()
+    del it
+    resumed = torchfeed.DataLoader(Records(annotation_records(4000)), batch_size=100,
+                                   num_workers=2, share_dataset=True,
+                                   multiprocessing_context="fork", **shuffled(2))
+    resumed.load_state_dict(state)
+    assert_same_batches(head + list(resumed), expected)
+    assert type(resumed.dataset.records) is SharedSequence
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_restarted_worker_reads_the_shared_attributes(start_method, tmp_path):
+    expected = torchs_batches(Records(annotation_records(3000)), batch_size=50, **shuffled(3))
+    marker = str(tmp_path / "died")
+    dataset = Records(annotation_records(3000), die_at=1234, marker=marker)
+    loader = torchfeed.DataLoader(dataset, batch_size=50, num_workers=2, share_dataset=True,
+                                  max_worker_restarts=1, multiprocessing_context=start_method,
+                                  **shuffled(3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = list(loader)
+    assert os.path.exists(marker), "the worker never died"
+    assert any("restarted it as pid" in str(w.message) for w in caught), caught
+    assert_same_batches(got, expected)
+    assert type(dataset.records) is SharedSequence
+
+
+# -- telling the user ---------------------------------------------------------------
+@pytest.mark.timeout(90)
+def test_warning_and_stats_name_the_attribute_that_is_copied(monkeypatch, caplog):
+    monkeypatch.setattr(costs, "USS_GROWTH_WARN", 12 * MiB)
+    monkeypatch.setattr(costs, "MEMORY_CHECK_EVERY", 0.0)  # a check at every batch
+    monkeypatch.setattr(costs, "_warned", False)
+    # About 60 MiB of dicts and lists.  Two workers: a page that the main process
+    # writes after the fork (its garbage collector) stays shared between them.
+    dataset = Records(annotation_records(40_000))
+    loader = torchfeed.DataLoader(dataset, batch_size=500, num_workers=2,
+                                  persistent_workers=True, multiprocessing_context="fork")
+    with caplog.at_level(logging.WARNING, logger="torchfeed"):
+        list(loader)
+        s = loader.stats()
+    warned = [r.getMessage() for r in caplog.records if r.name == "torchfeed"]
+    assert len(warned) == 1, warned
+    assert "`dataset.records`: a list of 40,000 dicts, " in warned[0], warned[0]
+    assert "pass `share_dataset=True`" in warned[0], warned[0]
+    named = [f for f in s["large_attributes"] if f["attribute"] == "dataset.records"]
+    assert len(named) == 1 and not named[0]["shared"] and named[0]["bytes"] > 20 * MiB, named
+    assert s["large_attributes"] == [named[0]]  # labels (3 ints) is small
+    assert ("  copied per worker   `dataset.records`: a list of 40,000 dicts, "
+            in str(s)), str(s)
+
+    # With the argument: no warning, and stats() says what was shared.  (The first
+    # loader's garbage is collected first: a collection in the main process during
+    # the epoch writes pages that the workers then hold without it.)
+    del loader, s
+    gc.collect()
+    caplog.clear()
+    monkeypatch.setattr(costs, "_warned", False)
+    loader = torchfeed.DataLoader(Records(annotation_records(40_000)), batch_size=500,
+                                  num_workers=2, persistent_workers=True, share_dataset=True,
+                                  multiprocessing_context="fork")
+    with caplog.at_level(logging.WARNING, logger="torchfeed"):
+        list(loader)
+        s = loader.stats()
+    assert not [r for r in caplog.records if r.name == "torchfeed"], caplog.records
+    assert [f["shared"] for f in s["large_attributes"]] == [True]
+    assert "  shared dataset      `dataset.records`: a list of 40,000 dicts, " in str(s), str(s)
+
+
+# -- the memory effect ----------------------------------------------------------------
+def _workers_memory(start_method: str, share: bool, records: int) -> list:
+    """Each of two workers' own private bytes after they read every record once.
+
+    Two workers: a page the main process writes after the fork (its garbage
+    collector runs when it likes) stays shared between them, not private."""
+    gc.collect()  # no garbage of an earlier loader collected in the main process mid-epoch
+    loader = torchfeed.DataLoader(Records(annotation_records(records)), batch_size=500,
+                                  num_workers=2, persistent_workers=True, share_dataset=share,
+                                  multiprocessing_context=start_method)
+    assert len(list(loader)) == -(-records // 500)
+    return [own_private_bytes(w["pid"]) for w in loader.stats()["workers"]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_workers_reading_every_record_hold_no_copy_of_them(start_method):
+    records = 60_000  # about 90 MiB of dicts and lists in the main process
+    unshared = _workers_memory(start_method, False, records)
+    shared = _workers_memory(start_method, True, records)
+    mib = {"unshared": [u / MiB for u in unshared], "shared": [s / MiB for s in shared]}
+    # The premise: without sharing, each worker copied the records it read
+    # (half of them, page by page, under fork; all of them under spawn).
+    least_copied = 25 * MiB if start_method == "fork" else 50 * MiB
+    assert min(unshared) - max(shared) > least_copied, mib
+    if start_method == "fork":
+        assert max(shared) < 12 * MiB, mib  # the interpreter's own pages, not the data
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_the_main_process_lets_go_of_its_own_copy(start_method):
+    """In place: the dataset's attribute is replaced, so the original objects are
+    freed in the main process too (nothing else refers to them here): under
+    fork before the workers are forked, under spawn once they are launched."""
+    records = annotation_records(20_000)
+    records[7] = WeakDict(records[7])
+    probe = weakref.ref(records[7])
+    dataset = Records(records)
+    del records
+    loader = torchfeed.DataLoader(dataset, batch_size=1000, num_workers=1, share_dataset=True,
+                                  multiprocessing_context=start_method)
+    it = iter(loader)
+    assert probe() is None, "the main process still holds the original records"
+    list(it)
+    assert is_shared(dataset.records)
+    assert dataset.records[7] == annotation(7) and type(dataset.records[7]) is WeakDict
