@@ -127,9 +127,15 @@ def in_background(work, name: str) -> None:
                 _readings.discard(threading.current_thread())
 
     thread = threading.Thread(target=run, name=name, daemon=True)
-    with _readings_lock:
-        _readings.add(thread)
-    thread.start()
+    # As MemoryReading: listed only once started, under the lock.  A thread
+    # that cannot start (a pids limit) leaves nothing listed; the work is done
+    # here instead.
+    try:
+        with _readings_lock:
+            thread.start()
+            _readings.add(thread)
+    except RuntimeError:
+        work()
 
 
 def finish_readings() -> None:
