@@ -100,14 +100,14 @@ def test_stateful_iterable_example_resumes(tmp_path):
 
 
 @pytest.mark.long
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)  # hang guards: ~6 s alone, several-fold in a parallel run
 def test_copy_on_read_example_shows_the_fix(tmp_path):
     script = tmp_path / "copy_on_read.py"
     script.write_text(python_block("# copy_on_read.py"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(README.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     proc = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=170)
+                          capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stderr
     before, after = (int(m) for m in re.findall(
         r"^share_dataset=(?:False|True): a worker's private memory grew (\d+) MiB$",

@@ -40,14 +40,14 @@ def _steps(log):
 
 
 @pytest.mark.long
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)  # hang guards: ~10 s alone, several-fold in a parallel run
 def test_sigkilled_training_resumes_with_the_same_samples(tmp_path):
     tmp = str(tmp_path)
     reference, ref_log = _job(tmp, "reference")
     victim, log = _job(tmp, "victim", "--sleep", "0.05")
     try:
         # Kill it once it is past a few checkpoints (every 5 steps), mid-run.
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if os.path.exists(log) and len(_steps(log)[0]) >= 13:
                 break
@@ -70,9 +70,9 @@ def test_sigkilled_training_resumes_with_the_same_samples(tmp_path):
                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
         resumed, _ = _job(tmp, "victim", "--resume")
-        out, _ = resumed.communicate(timeout=60)
+        out, _ = resumed.communicate(timeout=100)
         assert resumed.returncode == 0, out.decode()
-        out, _ = reference.communicate(timeout=60)
+        out, _ = reference.communicate(timeout=100)
         assert reference.returncode == 0, out.decode()
     finally:
         for proc in (reference, victim):

@@ -37,7 +37,7 @@ def _shm_left(baseline: set) -> set:
 
 
 @pytest.mark.long
-@pytest.mark.timeout(170)
+@pytest.mark.timeout(400)  # ~30 s alone; a hang guard, beside five busy workers
 def test_300_create_iterate_delete_cycles_stay_flat(monkeypatch):
     monkeypatch.setenv("TORCHFEED_PIN_THREAD_WITHOUT_ACCELERATOR", "1")
     warnings.filterwarnings("ignore", message=".*no accelerator is found.*")
@@ -74,7 +74,7 @@ def test_300_create_iterate_delete_cycles_stay_flat(monkeypatch):
 
 
 @pytest.mark.long
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # ~10 s alone; a hang guard, beside five busy workers
 def test_soak_50000_batches_rss_flat():
     dataset = make_dataset("map", n=50_000 * 8)
     loader = DataLoader(dataset, batch_size=8, num_workers=2)
