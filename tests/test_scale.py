@@ -380,7 +380,11 @@ def test_worker_memory_growth_from_python_objects_is_reported_and_warned_once(
     # The fix the warning names: the same values in one numpy array stay shared.
     caplog.clear()
     array = np.array([r["id"] for r in records])
-    del records
+    # The premise: the parent frees the records before the next worker is
+    # forked, not after (freeing them then writes the pages the worker shares,
+    # which makes them the worker's own: growth this check would rightly report).
+    del records, it, loader, s
+    gc.collect()
     monkeypatch.setattr(costs, "_warned", False)
     loader = torchfeed.DataLoader(Records(array), batch_size=None, num_workers=1,
                                   multiprocessing_context="fork")
