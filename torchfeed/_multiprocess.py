@@ -46,11 +46,11 @@ from ._errors import WorkerFailure, describe_dead_worker
 from ._ipc import WAIT_SLICE, close_queue
 from ._iterator_base import BaseIterator
 from ._pin_memory import PinMemoryThread, pass_through_requested
-from ._processes import StopFlag, launch_worker, launched_at, start_forkserver_now, stop_workers
+from ._processes import StopFlag, launch_worker, launched_at, stop_workers
 from ._protocol import IterableExhausted, ResumeIteration, StatefulUnpacker, Task, TaskInfo
 from ._receive import ResultReceiver, WorkerDied
 from ._restart import WorkerRestarts
-from ._share_dataset import share_once, sharing_pending
+from ._share_dataset import share_before_workers
 from ._stack_dump import timeout_message
 from ._stats import LiveCounts
 from ._torch_compat import assertion_message, in_order, pin_device_index
@@ -67,27 +67,9 @@ def _shutdown_live_iterators() -> None:
         it._shutdown_workers()
 
 
-def _share_first(loader) -> list:
-    """``share_dataset=True``: share the dataset's large attributes before the
-    first workers start, once per loader.  Under spawn and forkserver the
-    replaced objects are returned, to be freed in a thread once the workers are
-    launched (``_worker_costs.in_background``, joined before any fork): freeing
-    them then overlaps the workers' start.  A forked worker must not
-    inherit them (the main process would write their pages as it frees them,
-    and the workers would keep the old ones), so under fork they go at once.
-    A fork server is started first, to import torch while the main process shares."""
-    if not sharing_pending(loader):
-        return []
-    ctx = loader.multiprocessing_context or torch.multiprocessing
-    method = ctx.get_start_method()
-    if method == "forkserver":
-        start_forkserver_now(loader.dataset)
-    return share_once(loader, keep_originals=method != "fork")
-
-
 class MultiProcessIterator(BaseIterator):
     def __init__(self, loader) -> None:
-        originals = _share_first(loader)
+        originals = share_before_workers(loader)
         super().__init__(loader)
         self._device = resolve_device(getattr(loader, "device", None))
         self._prefetch_factor = loader.prefetch_factor

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from ._processes import start_forkserver_now
 from ._share import is_shared, share
 from ._transport._space import human
 
@@ -153,6 +154,24 @@ def share_once(loader, keep_originals: bool = False) -> list:
     originals: list | None = [] if keep_originals else None
     loader.__dict__["_shared_attributes"] = share_dataset(loader.dataset, originals)
     return originals or []
+
+
+def share_before_workers(loader) -> list:
+    """``share_dataset=True``: share the dataset's large attributes before the
+    first workers start, once per loader.  Under spawn and forkserver the
+    replaced objects are returned, to be freed in a thread once the workers are
+    launched (``_worker_costs.in_background``, joined before any fork): freeing
+    them then overlaps the workers' start.  A forked worker must not
+    inherit them (the main process would write their pages as it frees them,
+    and the workers would keep the old ones), so under fork they go at once.
+    A fork server is started first, to import torch while the main process shares."""
+    if not sharing_pending(loader):
+        return []
+    ctx = loader.multiprocessing_context or torch.multiprocessing
+    method = ctx.get_start_method()
+    if method == "forkserver":
+        start_forkserver_now(loader.dataset)
+    return share_once(loader, keep_originals=method != "fork")
 
 
 def census(dataset) -> list[dict]:
