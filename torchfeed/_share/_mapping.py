@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ._buffer import BufferWriter, SharedBuffer
-from ._readonly import refusing
+from ._readonly import OneBuffer, refusing
 from ._stable_hash import UnstableKey, stable_hash
 
 _SHORT_REPR = 6
@@ -52,7 +52,7 @@ def build_mapping(items: dict, name: str | None) -> "SharedMapping":
     return SharedMapping._attach(buffer, factory)
 
 
-class SharedMapping(Mapping):
+class SharedMapping(OneBuffer, Mapping):
     """A read-only dict whose keys and values live once in shared memory.
 
     Built by :func:`torchfeed.share`; equal to the dict it was built from,
@@ -182,12 +182,6 @@ class SharedMapping(Mapping):
         return f"SharedMapping({{{', '.join(head)}}})"
 
     # -- one buffer, whatever the copy --------------------------------------------
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
     def __reduce__(self):
         # the buffer travels as a descriptor (ForkingPickler) or as its bytes
         return SharedMapping._attach, (self._buffer, self.default_factory)

@@ -1,5 +1,6 @@
-"""The one error every write to a shared container raises, and the methods
-that raise it: shared containers are read-only in every process."""
+"""The one error every write to a shared container raises, the methods that
+raise it, and what copying one gives: shared containers are read-only in
+every process."""
 
 from __future__ import annotations
 
@@ -29,3 +30,16 @@ def refusing(cls, operations: dict[str, str]):
     for method, operation in operations.items():
         setattr(cls, method, refuse(operation, method))
     return cls
+
+
+class OneBuffer:
+    """A read-only container's copy is the container itself, as a tuple's is:
+    ``copy`` and ``deepcopy`` never duplicate the shared buffer."""
+
+    __slots__ = ()
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self

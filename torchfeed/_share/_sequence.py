@@ -13,7 +13,7 @@ import pickle
 from collections.abc import Sequence
 
 from ._buffer import BufferWriter, SharedBuffer
-from ._readonly import refusing
+from ._readonly import OneBuffer, refusing
 
 _SHORT_REPR = 6
 
@@ -35,7 +35,7 @@ def build_sequence(items: list | tuple, name: str | None) -> "SharedSequence":
     return SharedSequence._attach(buffer)
 
 
-class SharedSequence(Sequence):
+class SharedSequence(OneBuffer, Sequence):
     """A read-only list or tuple whose items live once in shared memory.
 
     Built by :func:`torchfeed.share`; equal to the list (or tuple) it was
@@ -158,12 +158,6 @@ class SharedSequence(Sequence):
         return f"SharedSequence({open_}{', '.join(head)}{close})"
 
     # -- one buffer, whatever the copy --------------------------------------------
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
     def __reduce__(self):
         # the buffer travels as a descriptor (ForkingPickler) or as its bytes
         return SharedSequence._attach, (self._buffer,)
