@@ -61,6 +61,17 @@ def per_read(get, indices) -> float:
     return (clock() - start) / len(indices)
 
 
+def share_against_dumps(rows: dict, kind: str, obj):
+    """Time ``pickle.dumps(obj)`` and ``torchfeed.share(obj)`` into ``rows``; the shared one."""
+    dumps_s, blob = timed(lambda: pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    del blob
+    share_s, shared = timed(lambda: torchfeed.share(obj))
+    rows.setdefault(f"pickle.dumps({kind}) s", []).append(dumps_s)
+    rows.setdefault(f"share({kind}) s", []).append(share_s)
+    rows.setdefault(f"share/dumps ({kind})", []).append(share_s / dumps_s)
+    return shared
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=1_000_000)
@@ -79,12 +90,7 @@ def main() -> None:
     rows: dict[str, list[float]] = {}
     gc.disable()
     for run in range(args.runs):
-        dumps_s, blob = timed(lambda: pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL))
-        del blob
-        share_s, shared = timed(lambda: torchfeed.share(records))
-        rows.setdefault("pickle.dumps(list) s", []).append(dumps_s)
-        rows.setdefault("share(list) s", []).append(share_s)
-        rows.setdefault("share/dumps (list)", []).append(share_s / dumps_s)
+        shared = share_against_dumps(rows, "list", records)
         rows.setdefault("shared[i] us (1st pass)", []).append(
             per_read(shared.__getitem__, indices) * 1e6)
         rows.setdefault("shared[i] us (2nd pass)", []).append(
@@ -95,12 +101,7 @@ def main() -> None:
         nbytes = shared_nbytes(shared)
         del shared
         if not args.no_dict:
-            dumps_s, blob = timed(lambda: pickle.dumps(by_id, protocol=pickle.HIGHEST_PROTOCOL))
-            del blob
-            share_s, shared_map = timed(lambda: torchfeed.share(by_id))
-            rows.setdefault("pickle.dumps(dict) s", []).append(dumps_s)
-            rows.setdefault("share(dict) s", []).append(share_s)
-            rows.setdefault("share/dumps (dict)", []).append(share_s / dumps_s)
+            shared_map = share_against_dumps(rows, "dict", by_id)
             rows.setdefault("shared_map[k] us", []).append(
                 per_read(shared_map.__getitem__, indices) * 1e6)
             del shared_map
