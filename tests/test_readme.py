@@ -100,8 +100,10 @@ def test_stateful_iterable_example_resumes(tmp_path):
 
 
 @pytest.mark.long
-@pytest.mark.timeout(240)  # hang guards: ~6 s alone, several-fold in a parallel run
+@pytest.mark.timeout(240)  # hang guards: ~5 s alone, several-fold in a parallel run
 def test_copy_on_read_example_shows_the_fix(tmp_path):
+    """300,000 records: a worker copies over 20 MiB of them (70 bytes a record;
+    35 MiB here) without sharing, and less than 5 MiB in all with it."""
     script = tmp_path / "copy_on_read.py"
     script.write_text(python_block("# copy_on_read.py"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -112,4 +114,4 @@ def test_copy_on_read_example_shows_the_fix(tmp_path):
     before, after = (int(m) for m in re.findall(
         r"^share_dataset=(?:False|True): a worker's private memory grew (\d+) MiB$",
         proc.stdout, re.M))
-    assert before > 50 and after < 10, proc.stdout
+    assert before > 20 and after < 5, proc.stdout
