@@ -8,7 +8,7 @@
   matrix (cycle i uses configuration i mod 8, so each is created 12 times).
   An fd, thread, process or shm entry left per cycle shows after one cycle; a
   kept reference shows in the object count; memory kept without either shows
-  in RSS, which is flat to a few KiB here once warm (the 10% bound over 270
+  in RSS, which grows a few KiB per cycle here once warm (the 10% bound over 270
   cycles it replaces let through about 90 KiB per cycle at 250 MiB of RSS).
 * A soak of 20,000 batches through 2 workers: the RSS of the main process and
   of each worker grows less than 256 bytes per batch it handled after warm-up
