@@ -87,10 +87,13 @@ _watch: list | None = None  # while a list, each fork of this process notes ours
 _watching_forks = False
 
 
+def reading_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name == "torchfeed-memory")
+
+
 def _note_reading_threads() -> None:
     if _watch is not None:
-        _watch.append(sorted(t.name for t in threading.enumerate()
-                             if t.name == "torchfeed-memory"))
+        _watch.append(reading_threads())
 
 
 @contextlib.contextmanager
@@ -116,11 +119,12 @@ def test_no_reading_thread_is_alive_when_a_worker_is_forked(monkeypatch):
     begins), so it is surely alive when the second loader starts, and it is over
     at the fork only if torchfeed waited for it; left running, it would outlive
     the fork (and give up after 10 s)."""
-    fork_coming = threading.Event()
+    armed, fork_coming = threading.Event(), threading.Event()
     read, finish = costs.private_bytes, _processes.finish_readings
 
     def read_once_a_fork_comes(pids):
-        fork_coming.wait(10)
+        if armed.is_set():
+            fork_coming.wait(10)
         return read(pids)
 
     def finish_readings():
@@ -129,15 +133,18 @@ def test_no_reading_thread_is_alive_when_a_worker_is_forked(monkeypatch):
 
     monkeypatch.setattr(costs, "private_bytes", read_once_a_fork_comes)
     monkeypatch.setattr(costs, "MEMORY_CHECK_EVERY", 0.0)
+    monkeypatch.setattr(costs, "_warned", False)  # a warned process reads no more
     monkeypatch.setattr(_processes, "finish_readings", finish_readings)
     training = torchfeed.DataLoader(SleepDataset(6, 0.0), num_workers=1,
                                     persistent_workers=True, multiprocessing_context="fork")
     it = iter(training)
-    next(it)
-    fork_coming.clear()  # the training worker's fork is behind us
-    next(it)  # a reading starts here, and waits for the next fork
-    assert "torchfeed-memory" in [t.name for t in threading.enumerate()], \
-        "no reading is running when the second loader starts"
+    next(it)  # the training worker is forked, and a first reading starts
+    while reading_threads():  # it ends unhindered, to be taken up at the next batch
+        time.sleep(0.01)
+    fork_coming.clear()
+    armed.set()
+    next(it)  # the next reading starts here, and waits for the next fork
+    assert reading_threads(), "no reading is running when the second loader starts"
     with reading_threads_at_forks() as alive:
         validation = torchfeed.DataLoader(SleepDataset(6, 0.0), num_workers=1,
                                           multiprocessing_context="fork")
