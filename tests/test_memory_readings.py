@@ -10,9 +10,8 @@ a fork, cannot go unnoticed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,6 +19,7 @@ import pytest
 from sample_datasets import SleepDataset
 
 import torchfeed
+import torchfeed._processes as _processes
 import torchfeed._worker_costs as costs
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -83,44 +83,75 @@ def test_stats_read_memory_when_asked(readings):
     assert s["workers"][0]["uss_bytes"] == readings[0][1][0]
 
 
-FORK_CHECK = """
-import os, sys, threading, time
-import torch, torchfeed, torchfeed._worker_costs as costs
-alive = []
-os.register_at_fork(before=lambda: alive.append(
-    sorted(t.name for t in threading.enumerate() if t.name == "torchfeed-memory")))
-read = costs.private_bytes
-def slow_read(pids):
-    time.sleep(0.3)
-    return read(pids)
-costs.private_bytes = slow_read
-costs.MEMORY_CHECK_EVERY = 0.0
-from sample_datasets import SleepDataset
-training = torchfeed.DataLoader(SleepDataset(6, 0.0), num_workers=1, persistent_workers=True,
-                                multiprocessing_context="fork")
-it = iter(training)
-next(it)
-next(it)  # a reading starts here and runs for 0.3 s
-started = len(alive)
-validation = torchfeed.DataLoader(SleepDataset(6, 0.0), num_workers=1,
-                                multiprocessing_context="fork")
-assert list(validation) == [torch.tensor([i]) for i in range(6)]
-assert len(alive) > started, alive
-print("threads at the forks:", alive[started:])
-assert not any(alive[started:]), alive
-list(it)
-"""
+_watch: list | None = None  # while a list, each fork of this process notes ours in it
+_watching_forks = False
 
 
-@pytest.mark.long
-@pytest.mark.timeout(120)  # a hang guard; a parallel run may starve it several-fold
-def test_no_reading_thread_is_alive_when_a_worker_is_forked():
-    # In a process of its own: a fork hook cannot be taken back.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", FORK_CHECK], env=env, capture_output=True,
-                         text=True, timeout=110)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "threads at the forks: [[]" in out.stdout, out.stdout
+def reading_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name == "torchfeed-memory")
+
+
+def _note_reading_threads() -> None:
+    if _watch is not None:
+        _watch.append(reading_threads())
+
+
+@contextlib.contextmanager
+def reading_threads_at_forks():
+    """The reading threads alive at each fork of this process while the block runs.
+    A fork hook cannot be taken back: registered once, it notes nothing outside."""
+    global _watch, _watching_forks
+    if not _watching_forks:
+        os.register_at_fork(before=_note_reading_threads)
+        _watching_forks = True
+    _watch = []
+    try:
+        yield _watch
+    finally:
+        _watch = None
+
+
+@pytest.mark.timeout(60)
+def test_no_reading_thread_is_alive_when_a_worker_is_forked(monkeypatch):
+    """A reading still running when a second loader forks its worker is waited for.
+
+    The reading waits until torchfeed is about to fork (its ``finish_readings``
+    begins), so it is surely alive when the second loader starts, and it is over
+    at the fork only if torchfeed waited for it; left running, it would outlive
+    the fork (and give up after 10 s)."""
+    armed, fork_coming = threading.Event(), threading.Event()
+    read, finish = costs.private_bytes, _processes.finish_readings
+
+    def read_once_a_fork_comes(pids):
+        if armed.is_set():
+            fork_coming.wait(10)
+        return read(pids)
+
+    def finish_readings():
+        fork_coming.set()
+        finish()
+
+    monkeypatch.setattr(costs, "private_bytes", read_once_a_fork_comes)
+    monkeypatch.setattr(costs, "MEMORY_CHECK_EVERY", 0.0)
+    monkeypatch.setattr(costs, "_warned", False)  # a warned process reads no more
+    monkeypatch.setattr(_processes, "finish_readings", finish_readings)
+    training = torchfeed.DataLoader(SleepDataset(6, 0.0), num_workers=1,
+                                    persistent_workers=True, multiprocessing_context="fork")
+    it = iter(training)
+    next(it)  # the training worker is forked, and a first reading starts
+    while reading_threads():  # it ends unhindered, to be taken up at the next batch
+        time.sleep(0.01)
+    fork_coming.clear()
+    armed.set()
+    next(it)  # the next reading starts here, and waits for the next fork
+    assert reading_threads(), "no reading is running when the second loader starts"
+    with reading_threads_at_forks() as alive:
+        validation = torchfeed.DataLoader(SleepDataset(6, 0.0), num_workers=1,
+                                          multiprocessing_context="fork")
+        assert [b.item() for b in validation] == list(range(6))
+    assert alive, "the validation loader forked no worker"
+    assert not any(alive), f"reading threads alive at the forks: {alive}"
+    assert [b.item() for b in it] == list(range(2, 6))
 
 
 def test_a_reading_whose_thread_cannot_start_leaves_nothing_behind(monkeypatch):
