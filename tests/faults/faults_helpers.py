@@ -45,8 +45,14 @@ def foreign_shm(name: str, ours: set[int]) -> bool:
     ``SharedMemory`` default names: torchfeed's slots are memfds and torch's
     segments are ``torch_*``, while SPDL (the bench's peer) leaves a ``psm_``
     segment per loader until its process exits, which a test running beside
-    this one (pytest-xdist) may do."""
-    if name.startswith(NEVER_OURS):
+    this one (pytest-xdist) may do.
+
+    Nor is any name without ``torch_`` or ``torchfeed`` in it: torch's loader
+    names its segments ``torch_<pid>_...`` and torchfeed's slots are nameless
+    memfds, while the streaming libraries tested beside this one
+    (``000411_barrier``) and glibc's semaphores being made (``sem.XXXXXX``)
+    leave names whose process may already have exited."""
+    if name.startswith(NEVER_OURS) or not (name.startswith("torch_") or "torchfeed" in name):
         return True
     for pid in map(int, re.findall(r"(?<![0-9])(\d{2,9})(?![0-9])", name)):
         if pid not in ours and psutil.pid_exists(pid):
