@@ -58,7 +58,11 @@ def test_coco_like_attributes_are_shared_and_batches_equal_torchs(start_method, 
     coco = dataset.coco
     cats, note = coco.cats, dataset.note
     missing = next(i for i in dataset.ids if i not in coco.imgToAnns)  # an image without annotations
-    loader = torchfeed.DataLoader(dataset, batch_size=16, num_workers=2, share_dataset=True,
+    # One spawned worker reads the shared index as two would (each unpickles it
+    # alone); two interleave under fork and forkserver, and two spawned ones map
+    # the shared records in test_workers_reading_every_record_hold_no_copy_of_them.
+    workers = 1 if start_method == "spawn" else 2
+    loader = torchfeed.DataLoader(dataset, batch_size=16, num_workers=workers, share_dataset=True,
                                   multiprocessing_context=start_method, **shuffled())
     with caplog.at_level(logging.INFO, logger="torchfeed"):
         got = list(loader)
@@ -178,7 +182,11 @@ def test_a_restarted_worker_reads_the_shared_attributes(start_method, tmp_path):
     expected = torchs_batches(Records(annotation_records(3000)), batch_size=50, **shuffled(3))
     marker = str(tmp_path / "died")
     dataset = Records(annotation_records(3000), die_at=1234, marker=marker)
-    loader = torchfeed.DataLoader(dataset, batch_size=50, num_workers=2, share_dataset=True,
+    # Under spawn the restart is a fresh interpreter that unpickles the shared
+    # dataset again, with or without a second worker beside it (that one runs
+    # under fork).
+    workers = 1 if start_method == "spawn" else 2
+    loader = torchfeed.DataLoader(dataset, batch_size=50, num_workers=workers, share_dataset=True,
                                   max_worker_restarts=1, multiprocessing_context=start_method,
                                   **shuffled(3))
     with warnings.catch_warnings(record=True) as caught:
@@ -233,14 +241,14 @@ def test_warning_and_stats_name_the_attribute_that_is_copied(monkeypatch, caplog
 
 
 # -- the memory effect ----------------------------------------------------------------
-def _workers_memory(start_method: str, share: bool, records: int) -> list:
-    """Each of two workers' own private bytes after they read every record once.
+def _workers_memory(start_method: str, share: bool, records: int, workers: int = 2) -> list:
+    """Each worker's own private bytes after the workers read every record once.
 
-    Two workers: a page the main process writes after the fork (its garbage
-    collector runs when it likes) stays shared between them, not private."""
+    Two workers under fork: a page the main process writes after the fork (its
+    garbage collector runs when it likes) stays shared between them, not private."""
     gc.collect()  # no garbage of an earlier loader collected in the main process mid-epoch
     loader = torchfeed.DataLoader(Records(annotation_records(records)), batch_size=500,
-                                  num_workers=2, persistent_workers=True, share_dataset=share,
+                                  num_workers=workers, persistent_workers=True, share_dataset=share,
                                   multiprocessing_context=start_method)
     assert len(list(loader)) == -(-records // 500)
     return [own_private_bytes(w["pid"]) for w in loader.stats()["workers"]]
@@ -250,7 +258,10 @@ def _workers_memory(start_method: str, share: bool, records: int) -> list:
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_workers_reading_every_record_hold_no_copy_of_them(start_method):
     records = 60_000  # about 90 MiB of dicts and lists in the main process
-    unshared = _workers_memory(start_method, False, records)
+    # The premise needs one worker under spawn: each spawned worker unpickles a
+    # whole copy of the records, whatever it reads. Both workers that share are checked.
+    unshared = _workers_memory(start_method, False, records,
+                               workers=1 if start_method == "spawn" else 2)
     shared = _workers_memory(start_method, True, records)
     mib = {"unshared": [u / MiB for u in unshared], "shared": [s / MiB for s in shared]}
     # The premise: without sharing, each worker copied the records it read
