@@ -107,7 +107,10 @@ def test_default_transport_is_shm_and_batches_equal_torch(dataset):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_spawn_and_forkserver_workers(context):
-    loader = torchfeed.DataLoader(Records(), batch_size=4, num_workers=2,
+    # One worker, a fresh interpreter (or a fork server's child) that packs
+    # into its slots as each of two would; two spawned workers fill slots side
+    # by side in test_workers.py and test_share_dataset.py.
+    loader = torchfeed.DataLoader(Records(), batch_size=4, num_workers=1,
                                   multiprocessing_context=context)
     got = list(loader)
     want = list(torch.utils.data.DataLoader(Records(), batch_size=4))
