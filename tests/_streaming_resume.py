@@ -1,9 +1,10 @@
 """A fresh process that resumes from state files: tests/test_streaming_libraries.py.
 
-Usage: python _streaming_resume.py LIB DATA_DIR CASES_JSON OUT_JSON
+Usage: python _streaming_resume.py CASES_JSON OUT_JSON
 
-Each case names a loader's arguments and a state file; this process builds the
-loader anew, loads the state and prints what the rest of its epochs yield.  A
+Each case names a library, its data folder, a loader's arguments and a state
+file; this process builds the loader anew, loads the state and writes what the
+rest of its epochs yield.  A
 case with ``"own": true`` does the same with the library's StreamingDataLoader.
 """
 import json
@@ -13,16 +14,16 @@ import streaming_data as sd
 import torch
 
 
-def main(lib, root, cases_path, out_path):
+def main(cases_path, out_path):
     from torchfeed import DataLoader
 
     with open(cases_path) as f:
         cases = json.load(f)
     out = []
     for case in cases:
-        dataset = sd.make_dataset(lib, root)
+        dataset = sd.make_dataset(case["lib"], case["root"])
         if case.get("own"):
-            loader = sd.library_loader(lib, dataset, **case["kwargs"])
+            loader = sd.library_loader(case["lib"], dataset, **case["kwargs"])
             with open(case["state"]) as f:
                 loader.load_state_dict(json.load(f))
         else:

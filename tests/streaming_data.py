@@ -90,15 +90,25 @@ def write_litdata(root: str) -> str:
 WRITERS = {"streaming": write_mds, "litdata": write_litdata}
 
 
+def check_sample(sample: dict, fail_at) -> dict:
+    """A user's transform: raises ValueError on sample ``fail_at``, else returns the sample."""
+    if fail_at is not None and int(sample["x"]) == fail_at:
+        raise ValueError(f"transform failed on sample {fail_at}")
+    return sample
+
+
 def make_dataset(lib: str, root: str, fail_at=None):
     """The library's StreamingDataset over ``root``, shuffled; ``fail_at``: the
-    sample whose read raises ValueError (a user's transform failing)."""
-    use_torchvision_shim()  # streaming_failing imports both libraries
+    sample whose read raises ValueError (a user's transform failing).
+
+    Each library's class lives in a module of its own, so that a worker imports
+    only the library its dataset belongs to."""
+    use_torchvision_shim()  # mosaicml-streaming imports torchvision
     if lib == "streaming":
-        from streaming_failing import FailingMDS
+        from streaming_failing_mds import FailingMDS
 
         return FailingMDS(fail_at, local=root, shuffle=True, batch_size=8, shuffle_seed=7)
-    from streaming_failing import FailingLitdata
+    from streaming_failing_litdata import FailingLitdata
 
     return FailingLitdata(fail_at, root, shuffle=True, seed=7)
 

@@ -58,7 +58,11 @@ def test_coco_like_attributes_are_shared_and_batches_equal_torchs(start_method, 
     coco = dataset.coco
     cats, note = coco.cats, dataset.note
     missing = next(i for i in dataset.ids if i not in coco.imgToAnns)  # an image without annotations
-    loader = torchfeed.DataLoader(dataset, batch_size=16, num_workers=2, share_dataset=True,
+    # One spawned worker reads the shared index as two would (each unpickles it
+    # alone); two interleave under fork and forkserver, and two spawned ones map
+    # the shared records in test_workers_reading_every_record_hold_no_copy_of_them.
+    workers = 1 if start_method == "spawn" else 2
+    loader = torchfeed.DataLoader(dataset, batch_size=16, num_workers=workers, share_dataset=True,
                                   multiprocessing_context=start_method, **shuffled())
     with caplog.at_level(logging.INFO, logger="torchfeed"):
         got = list(loader)
@@ -178,7 +182,11 @@ def test_a_restarted_worker_reads_the_shared_attributes(start_method, tmp_path):
     expected = torchs_batches(Records(annotation_records(3000)), batch_size=50, **shuffled(3))
     marker = str(tmp_path / "died")
     dataset = Records(annotation_records(3000), die_at=1234, marker=marker)
-    loader = torchfeed.DataLoader(dataset, batch_size=50, num_workers=2, share_dataset=True,
+    # Under spawn the restart is a fresh interpreter that unpickles the shared
+    # dataset again, with or without a second worker beside it (that one runs
+    # under fork).
+    workers = 1 if start_method == "spawn" else 2
+    loader = torchfeed.DataLoader(dataset, batch_size=50, num_workers=workers, share_dataset=True,
                                   max_worker_restarts=1, multiprocessing_context=start_method,
                                   **shuffled(3))
     with warnings.catch_warnings(record=True) as caught:
@@ -233,25 +241,67 @@ def test_warning_and_stats_name_the_attribute_that_is_copied(monkeypatch, caplog
 
 
 # -- the memory effect ----------------------------------------------------------------
-def _workers_memory(start_method: str, share: bool, records: int) -> list:
-    """Each of two workers' own private bytes after they read every record once.
+def _workers_memory(start_method: str, share: bool, records: int, workers: int = 2) -> list:
+    """Each worker's own private bytes after the workers read every record once.
 
-    Two workers: a page the main process writes after the fork (its garbage
-    collector runs when it likes) stays shared between them, not private."""
+    Two workers under fork: a page the main process writes after the fork (its
+    garbage collector runs when it likes) stays shared between them, not private."""
     gc.collect()  # no garbage of an earlier loader collected in the main process mid-epoch
     loader = torchfeed.DataLoader(Records(annotation_records(records)), batch_size=500,
-                                  num_workers=2, persistent_workers=True, share_dataset=share,
+                                  num_workers=workers, persistent_workers=True, share_dataset=share,
                                   multiprocessing_context=start_method)
     assert len(list(loader)) == -(-records // 500)
     return [own_private_bytes(w["pid"]) for w in loader.stats()["workers"]]
 
 
+def _share_and_iterate(start_method: str, records: int, **kwargs):
+    """A loader with ``share_dataset=True`` over ``records`` annotation records,
+    record 7 followed by a weak reference, read once.  Whether the main process
+    had let go of its own records once ``iter()`` had started the workers, the
+    dataset, and the loader."""
+    gc.collect()  # no garbage of an earlier loader collected in the main process mid-epoch
+    originals = annotation_records(records)
+    originals[7] = WeakDict(originals[7])
+    probe = weakref.ref(originals[7])
+    dataset = Records(originals)
+    del originals
+    loader = torchfeed.DataLoader(dataset, share_dataset=True,
+                                  multiprocessing_context=start_method, **kwargs)
+    it = iter(loader)
+    let_go = probe() is None
+    assert len(list(it)) == len(loader)
+    return let_go, dataset, loader
+
+
+@pytest.fixture(scope="module")
+def spawned_share():
+    """Two persistent spawned workers read 60,000 shared records once: whether
+    the main process let go of its own copy, the dataset, and each worker's own
+    private bytes.  Read by two tests: each spawned worker costs seconds of CPU."""
+    let_go, dataset, loader = _share_and_iterate("spawn", 60_000, batch_size=500, num_workers=2,
+                                                 persistent_workers=True)
+    private = [own_private_bytes(w["pid"]) for w in loader.stats()["workers"]]
+    del loader  # its workers with it
+    gc.collect()
+    return let_go, dataset, private
+
+
+spawned_share_once = pytest.mark.xdist_group("spawned_share")
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_workers_reading_every_record_hold_no_copy_of_them(start_method):
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=spawned_share_once)])
+def test_workers_reading_every_record_hold_no_copy_of_them(start_method, request):
     records = 60_000  # about 90 MiB of dicts and lists in the main process
-    unshared = _workers_memory(start_method, False, records)
-    shared = _workers_memory(start_method, True, records)
+    # The premise needs one worker under spawn: each spawned worker unpickles a
+    # whole copy of the records, whatever it reads. Both workers that share are checked.
+    unshared = _workers_memory(start_method, False, records,
+                               workers=1 if start_method == "spawn" else 2)
+    if start_method == "spawn":
+        shared = request.getfixturevalue("spawned_share")[2]
+    else:
+        shared = _workers_memory(start_method, True, records)
+    assert len(shared) == 2
     mib = {"unshared": [u / MiB for u in unshared], "shared": [s / MiB for s in shared]}
     # The premise: without sharing, each worker copied the records it read
     # (half of them, page by page, under fork; all of them under spawn).
@@ -262,20 +312,17 @@ def test_workers_reading_every_record_hold_no_copy_of_them(start_method):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_the_main_process_lets_go_of_its_own_copy(start_method):
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=spawned_share_once)])
+def test_the_main_process_lets_go_of_its_own_copy(start_method, request):
     """In place: the dataset's attribute is replaced, so the original objects are
     freed in the main process too (nothing else refers to them here): under
-    fork before the workers are forked, under spawn once they are launched."""
-    records = annotation_records(20_000)
-    records[7] = WeakDict(records[7])
-    probe = weakref.ref(records[7])
-    dataset = Records(records)
-    del records
-    loader = torchfeed.DataLoader(dataset, batch_size=1000, num_workers=1, share_dataset=True,
-                                  multiprocessing_context=start_method)
-    it = iter(loader)
-    assert probe() is None, "the main process still holds the original records"
-    list(it)
+    fork before the workers are forked, under spawn once they are launched
+    (there, on the memory test's loader)."""
+    if start_method == "spawn":
+        let_go, dataset, _ = request.getfixturevalue("spawned_share")
+    else:
+        let_go, dataset, _ = _share_and_iterate(start_method, 20_000, batch_size=1000,
+                                                num_workers=1)
+    assert let_go, "the main process still held the original records"
     assert is_shared(dataset.records)
     assert dataset.records[7] == annotation(7) and type(dataset.records[7]) is WeakDict

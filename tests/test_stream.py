@@ -96,12 +96,14 @@ def test_streamed_batches_equal_torchs_and_each_sample_is_freed_before_the_next(
 @pytest.mark.long
 @pytest.mark.timeout(120)
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")  # torch's, on CPU
-@pytest.mark.parametrize("options", [dict(multiprocessing_context="spawn"),
-                                     dict(persistent_workers=True, pin_memory=True)],
+# One spawned worker: it streams as each of two would (two stream side by side
+# under fork in the tests above), and each epoch spawns its workers afresh.
+@pytest.mark.parametrize("options", [dict(multiprocessing_context="spawn", num_workers=1),
+                                     dict(persistent_workers=True, pin_memory=True,
+                                          num_workers=2)],
                          ids=["spawn", "persistent-pinned"])
 def test_streaming_under_spawn_and_across_persistent_epochs(options):
-    loader = torchfeed.DataLoader(BigSamples("numpy"), batch_size=BATCH, num_workers=2,
-                                  **options)
+    loader = torchfeed.DataLoader(BigSamples("numpy"), batch_size=BATCH, **options)
     theirs = list(torch.utils.data.DataLoader(BigSamples("numpy"), batch_size=BATCH,
                                               num_workers=2))
     for epoch in range(2):
@@ -109,8 +111,9 @@ def test_streaming_under_spawn_and_across_persistent_epochs(options):
         for a, b in zip(ours, theirs):
             assert_same(_drop_flags(a, "numpy"), _drop_flags(b, "numpy"))
         streamed = [not _flags(b, "numpy")[1:].any() for b in ours]
-        # Persistent workers keep their slots: the second epoch streams from its first batch.
-        first_streamed = 0 if epoch and options.get("persistent_workers") else 2
+        # Each worker's first batch has no slot yet; persistent workers keep
+        # their slots: the second epoch streams from its first batch.
+        first_streamed = 0 if epoch and options.get("persistent_workers") else loader.num_workers
         assert all(streamed[first_streamed:]) and len(ours) == len(theirs)
 
 

@@ -149,23 +149,21 @@ def _own_state(lib, root, k, path, num_workers):
     return taken
 
 
-def _fresh_process(lib, root, cases, tmp_path):
+def _fresh_process(cases, tmp_path):
     cases_path, out_path = tmp_path / "cases.json", tmp_path / "out.json"
     cases_path.write_text(json.dumps(cases))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, os.path.join(HERE, "_streaming_resume.py"), lib,
-                           root, str(cases_path), str(out_path)],
+    done = subprocess.run([sys.executable, os.path.join(HERE, "_streaming_resume.py"),
+                           str(cases_path), str(out_path)],
                           env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out_path.read_text())
 
 
-@pytest.mark.long
-@pytest.mark.timeout(500)
-@pytest.mark.parametrize("lib", LIBS)
-def test_mid_epoch_resume_in_a_fresh_process(data, lib, tmp_path):
-    root = data[lib]
+def _resume_plan(lib, root, tmp_path):
+    """Run uninterrupted, saving states along the way: the cases a fresh process
+    resumes, what each must yield, and what the 2 -> 1 checks need."""
     cases, expected = [], []
     # (num_workers, persistent, k): inside epoch 0 and inside epoch 1, at 0 and 2 workers
     for nw, persistent, k in [(0, False, 5), (0, False, BATCHES + 9),
@@ -174,33 +172,57 @@ def test_mid_epoch_resume_in_a_fresh_process(data, lib, tmp_path):
         path = str(tmp_path / f"state{len(cases)}.pt")
         full = _save_run(lib, root, kwargs, k, path)
         epochs = 2 if k < BATCHES else 1
-        cases.append({"kwargs": kwargs, "state": path, "epochs": epochs})
+        cases.append({"lib": lib, "root": root, "kwargs": kwargs, "state": path,
+                      "epochs": epochs})
         rest = full[k:]
         expected.append([rest[:BATCHES - k], rest[BATCHES - k:]] if k < BATCHES else [rest])
     # 2 -> 1 workers
-    path = str(tmp_path / "two_to_one.pt")
-    taken = _save_run(lib, root, {"batch_size": 8, "num_workers": 2}, 7, path, epochs=1)[:7]
+    plan = {"cases": cases, "expected": expected, "two_to_one": str(tmp_path / "two_to_one.pt")}
+    plan["taken"] = _save_run(lib, root, {"batch_size": 8, "num_workers": 2}, 7,
+                              plan["two_to_one"], epochs=1)[:7]
     if lib == "streaming":  # its state is a global sample count: any num_workers
-        cases.append({"kwargs": {"batch_size": 8, "num_workers": 1}, "state": path,
-                      "epochs": 1})
+        cases.append({"lib": lib, "root": root, "kwargs": {"batch_size": 8, "num_workers": 1},
+                      "state": plan["two_to_one"], "epochs": 1})
         own_path = str(tmp_path / "own.json")
-        own_taken = _own_state(lib, root, 7, own_path, num_workers=2)
-        cases.append({"kwargs": {"batch_size": 8, "num_workers": 1}, "state": own_path,
-                      "epochs": 1, "own": True})
+        plan["own_taken"] = _own_state(lib, root, 7, own_path, num_workers=2)
+        cases.append({"lib": lib, "root": root, "kwargs": {"batch_size": 8, "num_workers": 1},
+                      "state": own_path, "epochs": 1, "own": True})
+    return plan
+
+
+@pytest.fixture(scope="module")
+def resumed(data, tmp_path_factory):
+    """Both libraries' plans, and what one fresh process resumed from their
+    states: one interpreter for both (each costs seconds of CPU importing torch)."""
+    plans = {lib: _resume_plan(lib, data[lib], tmp_path_factory.mktemp(f"resume_{lib}"))
+             for lib in LIBS}
+    got = _fresh_process([case for lib in LIBS for case in plans[lib]["cases"]],
+                         tmp_path_factory.mktemp("resume_fresh_process"))
+    for lib in LIBS:
+        plans[lib]["got"], got = got[:len(plans[lib]["cases"])], got[len(plans[lib]["cases"]):]
+    assert not got
+    return plans
+
+
+@pytest.mark.long
+@pytest.mark.xdist_group("streaming_resume")
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("lib", LIBS)
+def test_mid_epoch_resume_in_a_fresh_process(data, lib, resumed):
+    plan = resumed[lib]
+    cases, got = plan["cases"], plan["got"]
+    for i, want in enumerate(plan["expected"]):
+        assert got[i] == want, f"case {cases[i]['kwargs']}: resumed != uninterrupted"
+    if lib == "streaming":
+        ours, theirs = got[-2][0], got[-1][0]
+        assert plan["taken"] == plan["own_taken"]
+        assert ours == theirs  # the library's own loader resumes 2 -> 1 the same way
+        assert sorted(x for b in plan["taken"] + ours for x in b) == list(range(sd.N))
     else:
         # litdata's state deals a position out in its own batch_size (1 under any loader
         # but its own), which is the loader's order only at one worker: at two, torchfeed
         # saves the epoch's start and reads the yielded batches again, at the same
         # num_workers only.
-        one = DataLoader(sd.make_dataset(lib, root), batch_size=8, num_workers=1)
+        one = DataLoader(sd.make_dataset(lib, data[lib]), batch_size=8, num_workers=1)
         with pytest.raises(ValueError, match="needs the same num_workers"):
-            one.load_state_dict(torch.load(path, weights_only=True))
-
-    got = _fresh_process(lib, root, cases, tmp_path)
-    for i, want in enumerate(expected):
-        assert got[i] == want, f"case {cases[i]['kwargs']}: resumed != uninterrupted"
-    if lib == "streaming":
-        ours, theirs = got[-2][0], got[-1][0]
-        assert taken == own_taken
-        assert ours == theirs  # the library's own loader resumes 2 -> 1 the same way
-        assert sorted(x for b in taken + ours for x in b) == list(range(sd.N))
+            one.load_state_dict(torch.load(plan["two_to_one"], weights_only=True))

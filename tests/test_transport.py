@@ -116,7 +116,9 @@ def tensor_leaves(x):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_round_trip_every_leaf_type_and_nesting(method):
-    with h.Pipeline(2, method) as p:
+    # One worker where each starts a fresh interpreter: it packs as each of two
+    # would, and two alternate under fork.
+    with h.Pipeline(2 if method == "fork" else 1, method) as p:
         for _ in range(4):
             i, batch = p.get("every_leaf")
             assert_same(batch, h.every_leaf(i))
@@ -428,7 +430,7 @@ MAIN_SCRIPT = textwrap.dedent("""
     import sys, time
     sys.path[:0] = [{root!r}, {tests!r}]
     import transport_helpers as h
-    p = h.Pipeline(2, {method!r})
+    p = h.Pipeline({workers}, {method!r})
     held = [p.get("image", size=128) for _ in range(6)]
     print(" ".join(str(x.pid) for x in p.procs), flush=True)
     time.sleep(60)
@@ -439,8 +441,12 @@ MAIN_SCRIPT = textwrap.dedent("""
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_no_leak_after_main_process_sigkill(method):
-    script = MAIN_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"), method=method)
-    pids, before, used = h.sigkill_main_process(script)
+    # One spawned worker (a fresh interpreter each) finds itself orphaned as
+    # each of two would; two under fork.
+    workers = 2 if method == "fork" else 1
+    script = MAIN_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"), method=method,
+                                workers=workers)
+    pids, before, used = h.sigkill_main_process(script, workers)
     _no_leftovers(pids, before, used)
 
 

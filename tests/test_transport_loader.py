@@ -107,7 +107,10 @@ def test_default_transport_is_shm_and_batches_equal_torch(dataset):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_spawn_and_forkserver_workers(context):
-    loader = torchfeed.DataLoader(Records(), batch_size=4, num_workers=2,
+    # One worker, a fresh interpreter (or a fork server's child) that packs
+    # into its slots as each of two would; two spawned workers fill slots side
+    # by side in test_workers.py and test_share_dataset.py.
+    loader = torchfeed.DataLoader(Records(), batch_size=4, num_workers=1,
                                   multiprocessing_context=context)
     got = list(loader)
     want = list(torch.utils.data.DataLoader(Records(), batch_size=4))
@@ -363,25 +366,40 @@ def test_nothing_left_after_main_process_sigkill():
 
 
 KEEP_UNDER_FD_LIMIT = """
-import os, resource, sys
+import gc, json, os, resource, sys
 sys.path.insert(0, {tests!r})
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
 import torch
 import torch.utils.data as tud
 import torchfeed
 from test_transport_loader import Numbers
-loader_cls = tud.DataLoader if sys.argv[1] == "torch-loader" else torchfeed.DataLoader
-kwargs = {{}} if sys.argv[1] != "torch-transport" else {{"transport": "torch"}}
-kept = []
-try:
-    for batch in loader_cls(Numbers(), batch_size=2, num_workers=1, **kwargs):
-        kept.append(batch)
-except RuntimeError as exc:
-    print("ERROR", len(kept), exc)
-    sys.exit(3)
-assert len(kept) == 2000, len(kept)
-assert all(torch.equal(b, torch.tensor([[2 * i] * 4, [2 * i + 1] * 4])) for i, b in enumerate(kept))
-print("OK", len(os.listdir("/proc/self/fd")))
+
+
+def keep_every_batch(how):
+    loader_cls = tud.DataLoader if how == "torch-loader" else torchfeed.DataLoader
+    kwargs = {{}} if how != "torch-transport" else {{"transport": "torch"}}
+    kept = []
+    try:
+        for batch in loader_cls(Numbers(), batch_size=2, num_workers=1, **kwargs):
+            kept.append(batch)
+    except RuntimeError as exc:
+        return {{"kept": len(kept), "error": str(exc)}}, []
+    assert len(kept) == 2000, len(kept)
+    assert all(torch.equal(b, torch.tensor([[2 * i] * 4, [2 * i + 1] * 4]))
+               for i, b in enumerate(kept))
+    return {{"kept": len(kept), "fds": len(os.listdir("/proc/self/fd"))}}, kept
+
+
+# One interpreter for several runs, one after the other: a failed run's
+# batches and loader are gone (and collected) before the next starts; a run
+# that kept every batch keeps them to the very end, interpreter exit included.
+KEPT_TO_THE_END = []
+for how in sys.argv[1:]:
+    result, kept = keep_every_batch(how)
+    KEPT_TO_THE_END.append(kept)
+    del kept
+    gc.collect()
+    print(json.dumps(result), flush=True)
 """
 
 
@@ -393,40 +411,54 @@ class Numbers(Dataset):
         return torch.full((4,), i)
 
 
-def _keep_all_under_fd_limit(how):
+@pytest.fixture(scope="module")
+def kept_under_fd_limit():
+    """One fresh interpreter limited to 128 open files keeps every batch of a
+    2,000-batch epoch, once per loader: torch's, ours on torch's transport, then
+    ours on its own (last: its batches stay to the end).  What each run came to,
+    and the interpreter's stderr.  One interpreter for the three runs: each
+    would cost a fresh import of torch, seconds of CPU."""
+    import json
     import subprocess
     import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
     script = KEEP_UNDER_FD_LIMIT.format(tests=tests)
-    return subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True,
-                          timeout=100, cwd=tests)
+    hows = ["torch-loader", "torch-transport", "shm"]
+    run = subprocess.run([sys.executable, "-c", script, *hows], capture_output=True, text=True,
+                         timeout=100, cwd=tests)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return dict(zip(hows, map(json.loads, run.stdout.splitlines()), strict=True)), run.stderr
+
+
+kept_under_fd_limit_once = pytest.mark.xdist_group("kept_under_fd_limit")
 
 
 @pytest.mark.long
+@kept_under_fd_limit_once
 @pytest.mark.timeout(120)
-def test_thousands_of_kept_batches_need_no_file_descriptor_each():
+def test_thousands_of_kept_batches_need_no_file_descriptor_each(kept_under_fd_limit):
     # 2,000 batches kept under a limit of 128 open files: the slots hold one
     # descriptor per worker, and the batches beyond them travel inline.
-    run = _keep_all_under_fd_limit("shm")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.startswith("OK ") and int(run.stdout.split()[1]) < 64, run.stdout
-    assert "Exception ignored" not in run.stderr, run.stderr  # batches kept to the very end
+    runs, stderr = kept_under_fd_limit
+    assert "error" not in runs["shm"] and runs["shm"]["fds"] < 64, runs["shm"]
+    assert "Exception ignored" not in stderr, stderr  # batches kept to the very end
 
 
 @pytest.mark.long
+@kept_under_fd_limit_once
 @pytest.mark.timeout(120)
-def test_out_of_file_descriptors_on_torchs_transport_says_so_in_torchs_words():
+def test_out_of_file_descriptors_on_torchs_transport_says_so_in_torchs_words(kept_under_fd_limit):
     # torch's transport holds a descriptor per kept batch, in torch's loader
     # as here: both fail, with torch's sentence first, then what ran out.
-    want = _keep_all_under_fd_limit("torch-loader")
-    got = _keep_all_under_fd_limit("torch-transport")
-    assert want.returncode == got.returncode == 3, (want.stdout + want.stderr, got.stdout + got.stderr)
+    runs, _ = kept_under_fd_limit
+    want, got = runs["torch-loader"], runs["torch-transport"]
+    assert "error" in want and "error" in got, (want, got)
     first = "Too many open files. Communication with the workers is no longer possible."
-    assert want.stdout.split(" ", 2)[2].startswith(first), want.stdout
-    assert got.stdout.split(" ", 2)[2].startswith(want.stdout.split(" ", 2)[2].splitlines()[0])
-    assert "torchfeed: the main process holds 1" in got.stdout and "of its limit of 128" \
-        in got.stdout and "set_sharing_strategy('file_system')" in got.stdout, got.stdout
+    assert want["error"].startswith(first), want
+    assert got["error"].startswith(want["error"].splitlines()[0]), got
+    assert "torchfeed: the main process holds 1" in got["error"] and "of its limit of 128" \
+        in got["error"] and "set_sharing_strategy('file_system')" in got["error"], got
 
 
 class Swinging(Dataset):

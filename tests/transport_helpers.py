@@ -340,9 +340,9 @@ def leftover_shm(before, pids, used=(), timeout=15.0):
     return ours()
 
 
-def sigkill_main_process(script: str):
-    """Run ``script`` (it prints its workers' pids on one line once they hold
-    their slots) as a main process, SIGKILL it, and return ``(pids,
+def sigkill_main_process(script: str, workers: int = 2):
+    """Run ``script`` (it prints its ``workers`` workers' pids on one line once
+    they hold their slots) as a main process, SIGKILL it, and return ``(pids,
     shm_before, used)`` for the leftover checks: every pid, worker and main."""
     import subprocess
     import sys
@@ -350,14 +350,14 @@ def sigkill_main_process(script: str):
     before = dev_shm()
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        workers = [int(x) for x in proc.stdout.readline().split()]
-        assert len(workers) == 2
-        assert all(memfd_refs(pid) for pid in workers)
-        used = shm_entries_of(workers + [proc.pid])
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        assert len(pids) == workers
+        assert all(memfd_refs(pid) for pid in pids)
+        used = shm_entries_of(pids + [proc.pid])
         proc.kill()
         proc.wait(10)
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.stdout.close()
-    return workers + [proc.pid], before, used
+    return pids + [proc.pid], before, used
