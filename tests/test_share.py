@@ -27,7 +27,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from loader_helpers import launch_in_own_session
+from dist_launches import LAUNCHES, ranks_of
 from share_helpers import (
     DiesMidRead,
     SharedRecords,
@@ -451,15 +451,11 @@ def test_sigkilled_main_process_leaves_nothing():
 # -- one copy per machine across ranks ---------------------------------------------------
 
 
-@pytest.mark.timeout(240)
-def test_two_ranks_on_one_host_map_one_copy(tmp_path):
-    tag = unique("ranks")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "_share_ranks.py"), str(tmp_path), tag]
-    code, output = launch_in_own_session(cmd, 200)
-    files = [tmp_path / f"rank{r}.json" for r in range(2)]
-    assert code == 0 and all(f.exists() for f in files), output[-6000:]
-    r0, r1 = (json.loads(f.read_text()) for f in files)
+@pytest.mark.timeout(420)  # the shared world-2 torchrun job runs other modules' scenarios too
+@LAUNCHES
+def test_two_ranks_on_one_host_map_one_copy(tmp_path_factory):
+    # tests/_share_ranks.py, run by both ranks of tests/dist_launches.py's world-2 job
+    r0, r1 = ranks_of(tmp_path_factory, "share")
     assert r0["pid"] != r1["pid"]
     for kind in ("list", "dict", "array", "tensor"):
         assert r0[kind]["memory"] == r1[kind]["memory"], kind
