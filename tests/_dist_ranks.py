@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=N \
         tests/_dist_ranks.py OUT_DIR [--save] [--resume-from DIR] [--torch-sampler-from DIR]
-        [--share TAG] [--datapipes]
+        [--share TAG] [--datapipes] [--accelerate]
 
 Writes OUT_DIR/rank{RANK}.json (map-style scenarios) and
 OUT_DIR/rank{RANK}-iterable.json: the sample ids this rank saw, per scenario.
@@ -11,7 +11,9 @@ The test process checks union, disjointness and resume coverage across ranks.
 The world-2 launch also runs what other test modules check across two ranks, so
 one torchrun job (an agent and two interpreters importing torch) serves them all:
 ``--share TAG`` runs tests/_share_ranks.py's scenario into OUT_DIR/share and
-``--datapipes`` tests/_dist_datapipes.py's into OUT_DIR/datapipes.  Each part
+``--datapipes`` tests/_dist_datapipes.py's into OUT_DIR/datapipes, and
+``--accelerate`` tests/_accelerate_ranks.py's (test_frameworks.py) into
+OUT_DIR/accelerate, last: it imports Accelerate and sets the global seed.  Each part
 that fails is reported and the next one still runs; the rank exits non-zero.
 """
 import argparse
@@ -161,6 +163,7 @@ def main():
     p.add_argument("--torch-sampler-from")
     p.add_argument("--share", metavar="TAG")
     p.add_argument("--datapipes", action="store_true")
+    p.add_argument("--accelerate", action="store_true")
     args = p.parse_args()
 
     # A hang fails the launch with every thread's stack instead of blocking the test.
@@ -174,6 +177,9 @@ def main():
     if args.datapipes:
         import _dist_datapipes
         parts.append(lambda: _dist_datapipes.run(out / "datapipes"))
+    if args.accelerate:
+        import _accelerate_ranks
+        parts.append(lambda: _accelerate_ranks.run(out / "accelerate"))
     failed = False
     for part in parts:
         try:

@@ -4,13 +4,16 @@ Each launch costs an agent interpreter and one per rank, each importing torch, s
 one world-2 job runs every scenario checked across two ranks:
 tests/_dist_ranks.py's (it also saves the checkpoints the world-3 and world-1
 launches resume from), tests/_share_ranks.py's (test_share.py) and
-tests/_dist_datapipes.py's (test_torch_fidelity.py).  ``runs(tmp_path_factory)``
+tests/_dist_datapipes.py's (test_torch_fidelity.py) and, where Accelerate is installed,
+tests/_accelerate_ranks.py's (test_frameworks.py; with no GPU visible, as Accelerate's
+CPU ranks need: with one, each rank reached for a CUDA device of its own).  ``runs(tmp_path_factory)``
 launches each job once per pytest process and keeps its results; the tests that
 use it carry ``LAUNCHES`` (one ``xdist_group``), so pytest-xdist runs them all on
 one worker, which launches each job once.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import uuid
@@ -28,12 +31,12 @@ LAUNCHES = pytest.mark.xdist_group("torchrun_launches")
 class Launch:
     """One torchrun job: each rank's map-style results, and its IterableDataset results."""
 
-    def __init__(self, nproc, out, *extra):
+    def __init__(self, nproc, out, *extra, env=None):
         out.mkdir()
         self.out = out
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", str(HERE / "_dist_ranks.py"), str(out), *extra]
-        self.returncode, self.output = launch_in_own_session(cmd, HANG_S + 30)
+        self.returncode, self.output = launch_in_own_session(cmd, HANG_S + 30, env)
         self.results = self.read("rank{}.json", nproc)
         self.iterable = self.read("rank{}-iterable.json", nproc)
 
@@ -62,8 +65,9 @@ def launch(tmp_path_factory, name: str) -> Launch:
         _base.append(tmp_path_factory.mktemp("torchrun"))
     base = _base[0]
     if name == "n2":
+        accelerate = ["--accelerate"] if importlib.util.find_spec("accelerate") else []
         run = Launch(2, base / name, "--save", "--share", f"ranks-{uuid.uuid4().hex[:12]}",
-                     "--datapipes")
+                     "--datapipes", *accelerate, env={"CUDA_VISIBLE_DEVICES": ""})
     elif name == "n3":
         launch(tmp_path_factory, "n2")
         run = Launch(3, base / name, "--resume-from", str(base / "n2"),
@@ -79,7 +83,8 @@ def launch(tmp_path_factory, name: str) -> Launch:
 
 
 def ranks_of(tmp_path_factory, part: str, nproc: int = 2) -> list:
-    """Each rank's results of ``part`` ("share", "datapipes") in the world-2 launch."""
+    """Each rank's results of ``part`` ("share", "datapipes", "accelerate") in the world-2
+    launch."""
     run = launch(tmp_path_factory, "n2")
     results = run.read(f"{part}/rank{{}}.json", nproc)
     assert results is not None, run.failure(f"the {part} results")
