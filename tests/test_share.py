@@ -150,22 +150,44 @@ def test_dict_behaves_as_the_dict():
     assert repr(torchfeed.share({"a": 1})) == "SharedMapping({'a': 1})"
 
 
-def test_dict_keys_hash_alike_in_another_process():
+# One fresh interpreter (its str hashes seeded at random) loads what these tests wrote:
+# a shared dict pickled to a file, and shared containers torch.save'd to one.
+in_a_fresh_process = pytest.mark.xdist_group("share_fresh_process")
+FRESH_PROCESS_CODE = """
+import json, pickle, sys
+table = pickle.load(open(sys.argv[1], "rb"))
+result = {"table": [type(table).__name__, all(table[f"key{i}"] == i for i in range(200)),
+                    "key7" in table]}
+import torch
+from share_helpers import records
+d = torch.load(sys.argv[2], weights_only=False)
+result["saved"] = [d["records"] == records(300), d["table"] == {f"k{i}": i for i in range(300)},
+                   d["array"].tolist() == [0, 1, 2, 3, 4], type(d["records"]).__name__]
+print(json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def loaded_in_a_fresh_process(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("share-fresh")
+    with open(folder / "table.pkl", "wb") as f:
+        pickle.dump(torchfeed.share({f"key{i}": i for i in range(200)}), f)
+    torch.save({"records": torchfeed.share(records(300)),
+                "table": torchfeed.share({f"k{i}": i for i in range(300)}),
+                "array": torchfeed.share(np.arange(5))}, folder / "data.pt")
+    out = subprocess.run([sys.executable, "-c", FRESH_PROCESS_CODE, str(folder / "table.pkl"),
+                          str(folder / "data.pt")], capture_output=True, text=True, timeout=100,
+                         env={**os.environ, "PYTHONHASHSEED": "random",
+                              "PYTHONPATH": f"{ROOT}:{HERE}"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+@pytest.mark.timeout(120)
+@in_a_fresh_process
+def test_dict_keys_hash_alike_in_another_process(loaded_in_a_fresh_process):
     """str keys hash per process in Python: the index must not depend on it."""
-    table = {f"key{i}": i for i in range(200)}
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), unique("table") + ".pkl")
-    shared = torchfeed.share(table)
-    code = ("import pickle, sys; t = pickle.load(open(sys.argv[1], 'rb')); "
-            "print(type(t).__name__, all(t[f'key{i}'] == i for i in range(200)), 'key7' in t)")
-    try:
-        with open(path, "wb") as f:
-            pickle.dump(shared, f)
-        out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "PYTHONHASHSEED": "random",
-                                               "PYTHONPATH": str(ROOT)})
-    finally:
-        os.unlink(path)
-    assert out.stdout.split() == ["SharedMapping", "True", "True"], out.stderr
+    assert loaded_in_a_fresh_process["table"] == ["SharedMapping", True, True]
 
 
 def test_dict_built_where_numbers_hash_differently_is_reindexed():
@@ -327,18 +349,9 @@ def test_a_handle_crosses_processes_and_pickle_writes_values():
 
 
 @pytest.mark.timeout(120)
-def test_pickled_to_a_file_loads_in_a_fresh_process(tmp_path):
-    path = tmp_path / "data.pt"
-    torch.save({"records": torchfeed.share(records(300)),
-                "table": torchfeed.share({f"k{i}": i for i in range(300)}),
-                "array": torchfeed.share(np.arange(5))}, path)
-    code = ("import sys, torch; from share_helpers import records; "
-            "d = torch.load(sys.argv[1], weights_only=False); "
-            "print(d['records'] == records(300), d['table'] == {f'k{i}': i for i in range(300)}, "
-            "d['array'].tolist() == [0, 1, 2, 3, 4], type(d['records']).__name__)")
-    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
-                         timeout=100, env={**os.environ, "PYTHONPATH": f"{ROOT}:{HERE}"})
-    assert out.stdout.split() == ["True", "True", "True", "SharedSequence"], out.stderr[-3000:]
+@in_a_fresh_process
+def test_pickled_to_a_file_loads_in_a_fresh_process(loaded_in_a_fresh_process):
+    assert loaded_in_a_fresh_process["saved"] == [True, True, True, "SharedSequence"]
 
 
 @pytest.mark.timeout(120)
