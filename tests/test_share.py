@@ -420,7 +420,10 @@ def test_reading_copies_nothing_into_the_reader(method):
 @pytest.mark.parametrize("method", START_METHODS)
 def test_dataloader_workers_read_the_shared_list(method):
     shared = torchfeed.share(records(64))
-    loader = torchfeed.DataLoader(SharedRecords(shared), batch_size=8, num_workers=2,
+    # Each worker gets the dataset the same way; under spawn and forkserver each is a
+    # fresh interpreter importing torch, so one shows it there (two forked ones here).
+    loader = torchfeed.DataLoader(SharedRecords(shared), batch_size=8,
+                                  num_workers=2 if method == "fork" else 1,
                                   multiprocessing_context=method)
     batches = list(loader)
     ids = torch.cat([b[:, 0] for b in batches]).tolist()
