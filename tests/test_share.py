@@ -36,6 +36,7 @@ from share_helpers import (
     private_growth_reading,
     records,
     report,
+    report_then_read,
 )
 
 import torchfeed
@@ -354,31 +355,66 @@ def test_pickled_to_a_file_loads_in_a_fresh_process(loaded_in_a_fresh_process):
     assert loaded_in_a_fresh_process["saved"] == [True, True, True, "SharedSequence"]
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("method", START_METHODS)
-def test_child_processes_map_the_same_memory(method):
-    shared_list = torchfeed.share(records(2000))
-    shared_dict = torchfeed.share({i: str(i) for i in range(50)})
-    shared_array = torchfeed.share(np.arange(100.0))
-    shared_tensor = torchfeed.share(torch.arange(100))
-    ctx = mp.get_context(method)
+def small_shared():
+    return {"list": torchfeed.share(records(2000)),
+            "dict": torchfeed.share({i: str(i) for i in range(50)}),
+            "array": torchfeed.share(np.arange(100.0)),
+            "tensor": torchfeed.share(torch.arange(100))}
+
+
+def run_child(ctx, target, args, answers=1):
+    """Start ``target(*args, queue)`` in a child of ``ctx``; return what it put."""
     queue = ctx.Queue()
-    child = ctx.Process(target=report, args=(shared_list, shared_dict, shared_array, shared_tensor,
-                                             queue))
+    child = ctx.Process(target=target, args=(*args, queue))
     child.start()
     try:
-        seen = queue.get(timeout=90)
+        return [queue.get(timeout=90) for _ in range(answers)]
     finally:
         child.join(10)
         if child.is_alive():
             child.kill()
-    tensor_fd, _ = shared_tensor.untyped_storage()._share_fd_cpu_()
+        queue.close()
+
+
+READ_N = 100_000  # records the reading child reads
+
+
+@pytest.fixture(scope="module")
+def spawned_child():
+    """One spawned child (a fresh interpreter importing torch) does what both spawn cases
+    below check: it reports what it was given and the memory behind it, then reads
+    every record of a large shared list and reports how much its private memory grew."""
+    shared = small_shared()
+    shared["large"] = torchfeed.share(records(READ_N))
+    seen, read = run_child(mp.get_context("spawn"), report_then_read,
+                           (shared["list"], shared["dict"], shared["array"], shared["tensor"],
+                            shared["large"]), answers=2)
+    return shared, seen, read
+
+
+# the spawn cases of the next two tests share one spawned child (spawned_child)
+ONE_SPAWNED_CHILD = pytest.mark.xdist_group("share_spawned_child")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=ONE_SPAWNED_CHILD),
+                                    "forkserver"])
+def test_child_processes_map_the_same_memory(method, request):
+    if method == "spawn":
+        shared, seen, _ = request.getfixturevalue("spawned_child")
+    else:
+        shared = small_shared()
+        [seen] = run_child(mp.get_context(method), report,
+                           (shared["list"], shared["dict"], shared["array"], shared["tensor"]))
+    shared_list = shared["list"]
+    tensor_fd, _ = shared["tensor"].untyped_storage()._share_fd_cpu_()
     assert seen["pid"] != os.getpid()
     assert seen["list"] == ["SharedSequence", True, memory_of(shared_list)]
-    assert seen["dict"] == ["SharedMapping", True, "7", memory_of(shared_dict)]
-    assert seen["array"] == [True, memory_of(shared_array)]
+    assert seen["dict"] == ["SharedMapping", True, "7", memory_of(shared["dict"])]
+    assert seen["array"] == [True, memory_of(shared["array"])]
     assert seen["tensor"] == [True, identity(tensor_fd)]
     # and through a queue, from this process to itself
+    queue = mp.get_context(method).Queue()
     queue.put(shared_list)
     back = queue.get(timeout=30)
     assert back == shared_list and memory_of(back) == memory_of(shared_list)
@@ -386,31 +422,24 @@ def test_child_processes_map_the_same_memory(method):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_reading_copies_nothing_into_the_reader(method):
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=ONE_SPAWNED_CHILD)])
+def test_reading_copies_nothing_into_the_reader(method, request):
     """Copy-on-read: a forked child reading every dict of a plain list copies
     the pages it touches (reference counts); reading a shared one writes no
     shared page, so the child's private memory (USS) stays flat, even though
     it is the only reader: the process that built the buffer maps all of it,
     so the pages the child maps count as shared."""
-    n = 100_000
-    plain = records(n)
-    shared = torchfeed.share(plain)
-    ctx = mp.get_context(method)
     growth = {}
-    for label, data in (("shared", shared), ("plain", plain)):
-        if label == "plain" and method != "fork":
-            continue  # spawn pickles a plain list whole before the child starts reading
-        queue = ctx.Queue()
-        child = ctx.Process(target=private_growth_reading, args=(data, queue))
-        child.start()
-        try:
-            growth[label], total = queue.get(timeout=90)
-        finally:
-            child.join(10)
-            if child.is_alive():
-                child.kill()
-        assert total == 2 * sum(range(n))
+    if method == "spawn":  # spawn pickles a plain list whole before the child starts reading
+        _, _, (growth["shared"], total) = request.getfixturevalue("spawned_child")
+        assert total == 2 * sum(range(READ_N))
+    else:
+        plain = records(READ_N)
+        shared = torchfeed.share(plain)
+        for label, data in (("shared", shared), ("plain", plain)):
+            [(growth[label], total)] = run_child(mp.get_context(method), private_growth_reading,
+                                                 (data,))
+            assert total == 2 * sum(range(READ_N))
     assert growth["shared"] < 4 * 2**20, growth
     if method == "fork":  # the premise: the same reads of the plain list do copy
         assert growth["plain"] > 20 * 2**20, growth
