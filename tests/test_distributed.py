@@ -515,7 +515,7 @@ def dealt_order(per_rank, world, drop_last):
     return interleave(per_rank)[: script.N if not drop_last else (script.N // world) * world]
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)  # alone, it launches all three jobs (each guarded at 180 s)
 @launches
 def test_process_group_shuffle_reproducible_across_runs(runs):
     """Three separate launches (2, 3 and 1 ranks) deal from one shuffled order per
