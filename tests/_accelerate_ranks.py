@@ -1,6 +1,9 @@
-"""One process of an Accelerate job, launched by tests/test_frameworks.py.
+"""One process of an Accelerate job: what tests/test_frameworks.py checks across ranks.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 \
+tests/_dist_ranks.py runs ``run(OUT_DIR)`` in the two ranks of its world-2 launch
+(one torchrun job for several test modules, with no GPU visible); standalone:
+
+    CUDA_VISIBLE_DEVICES= python -m torch.distributed.run --standalone --nproc_per_node=2 \
         tests/_accelerate_ranks.py OUT_DIR
 
 Accelerate's ``Accelerator(cpu=True)`` on a gloo group.  Writes
@@ -49,8 +52,9 @@ def ids(batch):
     return batch.flatten().tolist()
 
 
-def main(out: Path) -> None:
-    faulthandler.dump_traceback_later(HANG_S, exit=True)
+def run(out: Path) -> None:
+    """The job, in a process group torchrun's environment describes (set up or not)."""
+    out.mkdir(exist_ok=True)
     reference = Accelerator(cpu=True)  # its own, so ours is loader 0 in save_state's files
     rank = reference.process_index
     result = {"rank": rank, "world": reference.num_processes}
@@ -92,4 +96,5 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
+    run(Path(sys.argv[1]))

@@ -1,4 +1,8 @@
-"""One rank of a real gloo process group, launched by tests/test_torch_fidelity.py.
+"""One rank of a real gloo process group: what tests/test_torch_fidelity.py checks of
+datapipes across ranks.
+
+tests/_dist_ranks.py runs ``run(OUT_DIR)`` in the two ranks of its world-2 launch
+(one torchrun job for several test modules); standalone:
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 \
         tests/_dist_datapipes.py OUT_DIR
@@ -24,9 +28,9 @@ import torchfeed  # noqa: E402
 N = 20
 
 
-def main(out: Path) -> None:
-    warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo")
+def run(out: Path) -> None:
+    """The scenario, in a process group already set up (gloo)."""
+    out.mkdir(exist_ok=True)
     rank = dist.get_rank()
     result = {}
     for name, cls in (("torch", torch.utils.data.DataLoader), ("torchfeed", torchfeed.DataLoader)):
@@ -35,12 +39,15 @@ def main(out: Path) -> None:
             generator = torch.Generator()
             generator.manual_seed(100 + rank)  # differs per rank; rank 0's seed wins
             pipe = IterableWrapper(range(N)).shuffle().sharding_filter()
-            loader = cls(pipe, batch_size=2, num_workers=num_workers, generator=generator)
-            result[name][num_workers] = [b.tolist() for b in loader]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's datapipe deprecation notices
+                loader = cls(pipe, batch_size=2, num_workers=num_workers, generator=generator)
+                result[name][num_workers] = [b.tolist() for b in loader]
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    dist.init_process_group("gloo")
+    run(Path(sys.argv[1]))
+    dist.destroy_process_group()

@@ -2,16 +2,26 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=N \
         tests/_dist_ranks.py OUT_DIR [--save] [--resume-from DIR] [--torch-sampler-from DIR]
+        [--share TAG] [--datapipes] [--accelerate]
 
 Writes OUT_DIR/rank{RANK}.json (map-style scenarios) and
 OUT_DIR/rank{RANK}-iterable.json: the sample ids this rank saw, per scenario.
 The test process checks union, disjointness and resume coverage across ranks.
+
+The world-2 launch also runs what other test modules check across two ranks, so
+one torchrun job (an agent and two interpreters importing torch) serves them all:
+``--share TAG`` runs tests/_share_ranks.py's scenario into OUT_DIR/share and
+``--datapipes`` tests/_dist_datapipes.py's into OUT_DIR/datapipes, and
+``--accelerate`` tests/_accelerate_ranks.py's (test_frameworks.py) into
+OUT_DIR/accelerate, last: it imports Accelerate and sets the global seed.  Each part
+that fails is reported and the next one still runs; the rank exits non-zero.
 """
 import argparse
 import faulthandler
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -115,24 +125,32 @@ def loader_level(res, args, saved, chained, nw):
 
 def torch_sampler_level(res, args, nw):
     """torch's own DistributedSampler (no state_dict) under the loader: its epoch is in
-    loader.state_dict(); rank 0's state resumes every rank at the saved world size, and
-    any other world size is refused at load_state_dict."""
+    loader.state_dict(); rank 0's state resumes every rank at the saved world size (a
+    fresh sampler and loader in the saving launch, given rank 0's state through json),
+    and any other world size is refused at load_state_dict (``--torch-sampler-from``)."""
     key = f"torch-sampler/nw{nw}"
+    saved = None
     if args.save:
         sampler = torch.utils.data.distributed.DistributedSampler(Ids(), shuffle=True, seed=SEED)
         sampler.set_epoch(1)
         loader = make_loader(Ids(), sampler, nw)
         res[f"{key}/save"] = take_and_save(loader, SAVE_STEP)
+        rank0 = [json.dumps(res[f"{key}/save"]["state"])]
+        dist.broadcast_object_list(rank0, src=0)
+        saved = json.loads(rank0[0])
     if args.torch_sampler_from:
         saved = json.loads((Path(args.torch_sampler_from) / "rank0.json").read_text())
-        sampler = torch.utils.data.distributed.DistributedSampler(Ids(), shuffle=True, seed=SEED)
-        loader = make_loader(Ids(), sampler, nw)
-        try:
-            loader.load_state_dict(saved[f"{key}/save"]["state"])
-        except ValueError as e:
-            res[f"{key}/error"] = str(e)
-            return
-        res[f"{key}/rest"] = ids_of(loader)  # no set_epoch: the state brings epoch 1 back
+        saved = saved[f"{key}/save"]["state"]
+    if saved is None:
+        return
+    sampler = torch.utils.data.distributed.DistributedSampler(Ids(), shuffle=True, seed=SEED)
+    loader = make_loader(Ids(), sampler, nw)
+    try:
+        loader.load_state_dict(saved)
+    except ValueError as e:
+        res[f"{key}/error"] = str(e)
+        return
+    res[f"{key}/rest"] = ids_of(loader)  # no set_epoch: the state brings epoch 1 back
 
 
 def main():
@@ -143,11 +161,37 @@ def main():
     p.add_argument("--save-chain", action="store_true")
     p.add_argument("--chain-from")
     p.add_argument("--torch-sampler-from")
+    p.add_argument("--share", metavar="TAG")
+    p.add_argument("--datapipes", action="store_true")
+    p.add_argument("--accelerate", action="store_true")
     args = p.parse_args()
 
     # A hang fails the launch with every thread's stack instead of blocking the test.
     faulthandler.dump_traceback_later(HANG_S, exit=True)
     dist.init_process_group("gloo")
+    out = Path(args.out)
+    parts = [lambda: samplers_and_loaders(args)]
+    if args.share:
+        import _share_ranks
+        parts.append(lambda: _share_ranks.run(out / "share", args.share))
+    if args.datapipes:
+        import _dist_datapipes
+        parts.append(lambda: _dist_datapipes.run(out / "datapipes"))
+    if args.accelerate:
+        import _accelerate_ranks
+        parts.append(lambda: _accelerate_ranks.run(out / "accelerate"))
+    failed = False
+    for part in parts:
+        try:
+            part()
+        except Exception:
+            traceback.print_exc()
+            failed = True
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+def samplers_and_loaders(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     res = {"world": world, "rank": rank, "loader": f"{LOADER.__module__}.{LOADER.__name__}",
            "loader_state": LOADER_STATE}
@@ -220,7 +264,6 @@ def main():
             res[f"iterable/nw{nw}/shards"] = list(probe)
     Path(args.out, f"rank{rank}-iterable.json").write_text(json.dumps(res))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -46,7 +46,12 @@ def main() -> None:
     loader = DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=args.workers,
                         generator=torch.Generator().manual_seed(0), seed_per_batch=True)
     step, start_epoch = 0, 0
-    log = open(args.log, "a")
+    with open(args.log, "a") as log:  # closed when main() returns: the test runs it in-process too
+        train(args, model, loader, log, step, start_epoch)
+
+
+def train(args, model, loader, log, step, start_epoch):
+    """Resume from the checkpoint if asked, then train to the end, one log line a step."""
     if args.resume:
         ck = torch.load(args.ckpt, weights_only=True)
         model.load_state_dict(ck["model"])

@@ -1,4 +1,7 @@
-"""One rank of a real gloo process group, launched by tests/test_share.py.
+"""One rank of a real gloo process group: what tests/test_share.py checks across ranks.
+
+tests/_dist_ranks.py runs ``run(OUT_DIR, TAG)`` in the two ranks of its world-2
+launch (one torchrun job for several test modules); standalone:
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 \
         tests/_share_ranks.py OUT_DIR TAG
@@ -52,9 +55,9 @@ def mapping_memory(label):
     return rss, pss
 
 
-def main():
-    out, tag = Path(sys.argv[1]), sys.argv[2]
-    dist.init_process_group("gloo")
+def run(out: Path, tag: str) -> None:
+    """The scenario, in a process group already set up (gloo, two ranks)."""
+    out.mkdir(exist_ok=True)
     rank = dist.get_rank()
     res = {"rank": rank, "pid": os.getpid()}
     built = []
@@ -103,6 +106,11 @@ def main():
 
     Path(out, f"rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()
+
+
+def main():
+    dist.init_process_group("gloo")
+    run(Path(sys.argv[1]), sys.argv[2])
     dist.destroy_process_group()
 
 

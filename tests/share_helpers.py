@@ -58,6 +58,13 @@ def private_growth_reading(recs, queue):
     queue.put((me.memory_full_info().uss - before, total))
 
 
+def report_then_read(shared_list, shared_dict, shared_array, shared_tensor, large, queue):
+    """``report`` on the first four, then ``private_growth_reading`` of ``large``: one
+    spawned child for both (a fresh interpreter costs seconds of CPU importing torch)."""
+    report(shared_list, shared_dict, shared_array, shared_tensor, queue)
+    private_growth_reading(large, queue)
+
+
 class SharedRecords(Dataset):
     """Sample i is ``[records[i]['id'], inode of the memory records live in]``."""
 

@@ -433,61 +433,21 @@ def test_check_iterable_world_size():
 
 
 # -- real process groups --------------------------------------------------------------
-# Each launch is one torchrun job that runs every scenario of tests/_dist_ranks.py.
+# Each launch is one torchrun job that runs every scenario of tests/_dist_ranks.py
+# (tests/dist_launches.py: the world-2 one also runs other modules' two-rank checks).
 
 sys.path.insert(0, str(HERE))
 import _dist_ranks as script  # noqa: E402
-from loader_helpers import launch_in_own_session  # noqa: E402
-
-
-class Launch:
-    """One torchrun job: each rank's map-style results, and its IterableDataset results."""
-
-    def __init__(self, nproc, out, *extra):
-        out.mkdir()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", str(HERE / "_dist_ranks.py"), str(out), *extra]
-        self.returncode, self.output = launch_in_own_session(cmd, script.HANG_S + 30)
-        self.results = self._read(out, nproc, "rank{}.json")
-        self.iterable = self._read(out, nproc, "rank{}-iterable.json")
-
-    @staticmethod
-    def _read(out, nproc, pattern):
-        files = [out / pattern.format(r) for r in range(nproc)]
-        if not all(f.exists() for f in files):
-            return None
-        return [json.loads(f.read_text()) for f in files]
-
-    def failure(self, what):
-        return f"torchrun exited {self.returncode} before writing {what}:\n{self.output[-6000:]}"
-
-
-# Every test of the launches shares them (and runs on one pytest-xdist worker, which
-# launches each once): n3 and n1 resume from the checkpoints the launches before left.
-launches = pytest.mark.xdist_group("test_distributed_launches")
+from dist_launches import LAUNCHES as launches  # noqa: E402
+from dist_launches import launch  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("dist")
-    cache = {}
+    """n2 saves; n3 resumes from n2's checkpoints; n1 from n2's and from n3's."""
 
     def get(name, iterable=False):
-        if name not in cache:
-            if name == "n2":
-                cache[name] = Launch(2, base / name, "--save")
-            elif name == "n2-again":  # also resumes torch's sampler from n2
-                get("n2")
-                cache[name] = Launch(2, base / name, "--torch-sampler-from", str(base / "n2"))
-            elif name == "n3":  # resumes from n2, and checkpoints again for n1
-                get("n2")
-                cache[name] = Launch(3, base / name, "--resume-from", str(base / "n2"),
-                                     "--save-chain", "--torch-sampler-from", str(base / "n2"))
-            else:
-                get("n3")
-                cache[name] = Launch(1, base / name, "--resume-from", str(base / "n2"),
-                                     "--chain-from", str(base / "n3"))
-        run = cache[name]
+        run = launch(tmp_path_factory, name)
         if iterable:
             assert run.returncode == 0 and run.iterable is not None, run.failure("the iterable results")
             return run.iterable
@@ -550,13 +510,25 @@ def test_process_group_iterable_shards_by_rank_and_worker(runs, name):
             assert ranks_seen == {(r, world) for r in range(world)}
 
 
-@pytest.mark.timeout(420)
+def dealt_order(per_rank, world, drop_last):
+    """The epoch's order the ranks were dealt from (round robin), without torch's padding."""
+    return interleave(per_rank)[: script.N if not drop_last else (script.N // world) * world]
+
+
+@pytest.mark.timeout(600)  # alone, it launches all three jobs (each guarded at 180 s)
 @launches
 def test_process_group_shuffle_reproducible_across_runs(runs):
-    a, b = runs("n2"), runs("n2-again")
+    """Three separate launches (2, 3 and 1 ranks) deal from one shuffled order per
+    epoch: the same seed shuffles alike in every run, whatever its world size."""
+    launched = [runs(name) for name in ("n2", "n3", "n1")]
     for key, epoch in itertools.product(KEYS, (0, 1)):
-        assert [r[f"full/{key}/e{epoch}"] for r in a] == [r[f"full/{key}/e{epoch}"] for r in b]
-    assert a[0]["full/nw0/dl0/e0"] != a[0]["full/nw0/dl0/e1"]  # epochs do reshuffle
+        drop_last = key.endswith("dl1")
+        orders = [dealt_order([r[f"full/{key}/e{epoch}"] for r in results], len(results), drop_last)
+                  for results in launched]
+        shortest = min(len(o) for o in orders)
+        assert len({tuple(o[:shortest]) for o in orders}) == 1, (key, epoch)
+        assert len(orders[0]) == script.N and orders[0] == orders[2]  # 2 and 1 ranks: all of it
+    assert launched[0][0]["full/nw0/dl0/e0"] != launched[0][0]["full/nw0/dl0/e1"]  # epochs do reshuffle
 
 
 @pytest.mark.timeout(420)
@@ -641,14 +613,15 @@ def test_process_group_loader_state_resumes_2_to_3_to_1(runs):
 @pytest.mark.timeout(420)
 @launches
 def test_process_group_torch_sampler_resumes_only_at_the_saved_world_size(runs):
-    before, same, other = runs("n2"), runs("n2-again"), runs("n3")
+    before, other = runs("n2"), runs("n3")
     c = script.SAVE_STEP * script.BATCH
     expected = torch_epoch(2, 1, False)
     for nw in script.WORKERS:
         key = f"torch-sampler/nw{nw}"
         assert [r[f"{key}/save"]["ids"] for r in before] == [e[:c] for e in expected]
-        # rank 0's state on both ranks: each rank's own rest of epoch 1, exactly
-        assert [r[f"{key}/rest"] for r in same] == [e[c:] for e in expected]
+        # rank 0's state on both ranks (fresh samplers and loaders after the save):
+        # each rank's own rest of epoch 1, exactly
+        assert [r[f"{key}/rest"] for r in before] == [e[c:] for e in expected]
         for r in other:
             message = r[f"{key}/error"]
             assert "world size 2" in message and "world size 3" in message, message

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_launches import LAUNCHES, ranks_of
 from loader_helpers import launch_in_own_session
 from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data import Dataset
@@ -198,18 +199,16 @@ def _launch(cmd, timeout, env=None):
 
 
 @pytest.mark.long
-@pytest.mark.timeout(200)
-def test_accelerate_two_processes_keep_torchfeed_and_resume(tmp_path):
+@pytest.mark.timeout(420)  # the shared world-2 torchrun job runs other modules' scenarios too
+@LAUNCHES
+def test_accelerate_two_processes_keep_torchfeed_and_resume(tmp_path_factory):
     pytest.importorskip("accelerate", reason="Accelerate is not installed (the [test] extra has it)")
     # Two CPU ranks (Accelerator(cpu=True), gloo) is what this test means: with
     # a GPU visible, the ranks still reached for a CUDA device each, by local
-    # rank ("invalid device ordinal" on a one-GPU machine).  None is visible.
-    code, output = _launch([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            "--nproc_per_node=2", str(HERE / "_accelerate_ranks.py"),
-                            str(tmp_path)], timeout=180, env={"CUDA_VISIBLE_DEVICES": ""})
-    files = [tmp_path / f"rank{r}.json" for r in range(2)]
-    assert code == 0 and all(f.exists() for f in files), output[-6000:]
-    ranks = [json.loads(f.read_text()) for f in files]
+    # rank ("invalid device ordinal" on a one-GPU machine).  None is visible:
+    # tests/_accelerate_ranks.py, run by both ranks of tests/dist_launches.py's
+    # world-2 job, which hides them.
+    ranks = ranks_of(tmp_path_factory, "accelerate")
     for r, result in enumerate(ranks):
         assert (result["rank"], result["world"]) == (r, 2)
         assert result["engine"] == "torchfeed.dataloader"

@@ -10,6 +10,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "_resume_train.py")
@@ -23,6 +24,26 @@ def _job(tmp, name, *extra):
     cmd = [sys.executable, SCRIPT, "--ckpt", os.path.join(tmp, f"{name}.pt"), "--log", log,
            *extra]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), log
+
+
+def _reference_here(tmp, name, monkeypatch):
+    """The uninterrupted job, run in this process (a fresh interpreter would only import
+    torch again): the same script's main(), with torch's seed and thread count put back."""
+    sys.path.insert(0, HERE)
+    try:
+        import _resume_train
+    finally:
+        sys.path.remove(HERE)
+    log = os.path.join(tmp, f"{name}.log")
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    with monkeypatch.context() as m:
+        m.setattr(sys, "argv", [SCRIPT, "--ckpt", os.path.join(tmp, f"{name}.pt"), "--log", log])
+        try:
+            _resume_train.main()
+        finally:
+            torch.set_num_threads(threads)
+            torch.set_rng_state(rng)
+    return log
 
 
 def _steps(log):
@@ -41,9 +62,8 @@ def _steps(log):
 
 @pytest.mark.long
 @pytest.mark.timeout(240)  # hang guards: ~10 s alone, several-fold in a parallel run
-def test_sigkilled_training_resumes_with_the_same_samples(tmp_path):
+def test_sigkilled_training_resumes_with_the_same_samples(tmp_path, monkeypatch):
     tmp = str(tmp_path)
-    reference, ref_log = _job(tmp, "reference")
     victim, log = _job(tmp, "victim", "--sleep", "0.05")
     try:
         # Kill it once it is past a few checkpoints (every 5 steps), mid-run.
@@ -70,14 +90,16 @@ def test_sigkilled_training_resumes_with_the_same_samples(tmp_path):
                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
         resumed, _ = _job(tmp, "victim", "--resume")
-        out, _ = resumed.communicate(timeout=100)
+        try:
+            ref_log = _reference_here(tmp, "reference", monkeypatch)  # while it resumes
+            out, _ = resumed.communicate(timeout=100)
+        finally:
+            if resumed.poll() is None:
+                resumed.kill()
         assert resumed.returncode == 0, out.decode()
-        out, _ = reference.communicate(timeout=100)
-        assert reference.returncode == 0, out.decode()
     finally:
-        for proc in (reference, victim):
-            if proc.poll() is None:
-                proc.kill()
+        if victim.poll() is None:
+            victim.kill()
 
     expected, expected_done = _steps(ref_log)
     with open(log) as f:

@@ -27,7 +27,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from loader_helpers import launch_in_own_session
+from dist_launches import LAUNCHES, ranks_of
 from share_helpers import (
     DiesMidRead,
     SharedRecords,
@@ -36,6 +36,7 @@ from share_helpers import (
     private_growth_reading,
     records,
     report,
+    report_then_read,
 )
 
 import torchfeed
@@ -150,22 +151,44 @@ def test_dict_behaves_as_the_dict():
     assert repr(torchfeed.share({"a": 1})) == "SharedMapping({'a': 1})"
 
 
-def test_dict_keys_hash_alike_in_another_process():
+# One fresh interpreter (its str hashes seeded at random) loads what these tests wrote:
+# a shared dict pickled to a file, and shared containers torch.save'd to one.
+in_a_fresh_process = pytest.mark.xdist_group("share_fresh_process")
+FRESH_PROCESS_CODE = """
+import json, pickle, sys
+table = pickle.load(open(sys.argv[1], "rb"))
+result = {"table": [type(table).__name__, all(table[f"key{i}"] == i for i in range(200)),
+                    "key7" in table]}
+import torch
+from share_helpers import records
+d = torch.load(sys.argv[2], weights_only=False)
+result["saved"] = [d["records"] == records(300), d["table"] == {f"k{i}": i for i in range(300)},
+                   d["array"].tolist() == [0, 1, 2, 3, 4], type(d["records"]).__name__]
+print(json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def loaded_in_a_fresh_process(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("share-fresh")
+    with open(folder / "table.pkl", "wb") as f:
+        pickle.dump(torchfeed.share({f"key{i}": i for i in range(200)}), f)
+    torch.save({"records": torchfeed.share(records(300)),
+                "table": torchfeed.share({f"k{i}": i for i in range(300)}),
+                "array": torchfeed.share(np.arange(5))}, folder / "data.pt")
+    out = subprocess.run([sys.executable, "-c", FRESH_PROCESS_CODE, str(folder / "table.pkl"),
+                          str(folder / "data.pt")], capture_output=True, text=True, timeout=100,
+                         env={**os.environ, "PYTHONHASHSEED": "random",
+                              "PYTHONPATH": f"{ROOT}:{HERE}"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+@pytest.mark.timeout(120)
+@in_a_fresh_process
+def test_dict_keys_hash_alike_in_another_process(loaded_in_a_fresh_process):
     """str keys hash per process in Python: the index must not depend on it."""
-    table = {f"key{i}": i for i in range(200)}
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), unique("table") + ".pkl")
-    shared = torchfeed.share(table)
-    code = ("import pickle, sys; t = pickle.load(open(sys.argv[1], 'rb')); "
-            "print(type(t).__name__, all(t[f'key{i}'] == i for i in range(200)), 'key7' in t)")
-    try:
-        with open(path, "wb") as f:
-            pickle.dump(shared, f)
-        out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "PYTHONHASHSEED": "random",
-                                               "PYTHONPATH": str(ROOT)})
-    finally:
-        os.unlink(path)
-    assert out.stdout.split() == ["SharedMapping", "True", "True"], out.stderr
+    assert loaded_in_a_fresh_process["table"] == ["SharedMapping", True, True]
 
 
 def test_dict_built_where_numbers_hash_differently_is_reindexed():
@@ -327,45 +350,71 @@ def test_a_handle_crosses_processes_and_pickle_writes_values():
 
 
 @pytest.mark.timeout(120)
-def test_pickled_to_a_file_loads_in_a_fresh_process(tmp_path):
-    path = tmp_path / "data.pt"
-    torch.save({"records": torchfeed.share(records(300)),
-                "table": torchfeed.share({f"k{i}": i for i in range(300)}),
-                "array": torchfeed.share(np.arange(5))}, path)
-    code = ("import sys, torch; from share_helpers import records; "
-            "d = torch.load(sys.argv[1], weights_only=False); "
-            "print(d['records'] == records(300), d['table'] == {f'k{i}': i for i in range(300)}, "
-            "d['array'].tolist() == [0, 1, 2, 3, 4], type(d['records']).__name__)")
-    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
-                         timeout=100, env={**os.environ, "PYTHONPATH": f"{ROOT}:{HERE}"})
-    assert out.stdout.split() == ["True", "True", "True", "SharedSequence"], out.stderr[-3000:]
+@in_a_fresh_process
+def test_pickled_to_a_file_loads_in_a_fresh_process(loaded_in_a_fresh_process):
+    assert loaded_in_a_fresh_process["saved"] == [True, True, True, "SharedSequence"]
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("method", START_METHODS)
-def test_child_processes_map_the_same_memory(method):
-    shared_list = torchfeed.share(records(2000))
-    shared_dict = torchfeed.share({i: str(i) for i in range(50)})
-    shared_array = torchfeed.share(np.arange(100.0))
-    shared_tensor = torchfeed.share(torch.arange(100))
-    ctx = mp.get_context(method)
+def small_shared():
+    return {"list": torchfeed.share(records(2000)),
+            "dict": torchfeed.share({i: str(i) for i in range(50)}),
+            "array": torchfeed.share(np.arange(100.0)),
+            "tensor": torchfeed.share(torch.arange(100))}
+
+
+def run_child(ctx, target, args, answers=1):
+    """Start ``target(*args, queue)`` in a child of ``ctx``; return what it put."""
     queue = ctx.Queue()
-    child = ctx.Process(target=report, args=(shared_list, shared_dict, shared_array, shared_tensor,
-                                             queue))
+    child = ctx.Process(target=target, args=(*args, queue))
     child.start()
     try:
-        seen = queue.get(timeout=90)
+        return [queue.get(timeout=90) for _ in range(answers)]
     finally:
         child.join(10)
         if child.is_alive():
             child.kill()
-    tensor_fd, _ = shared_tensor.untyped_storage()._share_fd_cpu_()
+        queue.close()
+
+
+READ_N = 100_000  # records the reading child reads
+
+
+@pytest.fixture(scope="module")
+def spawned_child():
+    """One spawned child (a fresh interpreter importing torch) does what both spawn cases
+    below check: it reports what it was given and the memory behind it, then reads
+    every record of a large shared list and reports how much its private memory grew."""
+    shared = small_shared()
+    shared["large"] = torchfeed.share(records(READ_N))
+    seen, read = run_child(mp.get_context("spawn"), report_then_read,
+                           (shared["list"], shared["dict"], shared["array"], shared["tensor"],
+                            shared["large"]), answers=2)
+    return shared, seen, read
+
+
+# the spawn cases of the next two tests share one spawned child (spawned_child)
+ONE_SPAWNED_CHILD = pytest.mark.xdist_group("share_spawned_child")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=ONE_SPAWNED_CHILD),
+                                    "forkserver"])
+def test_child_processes_map_the_same_memory(method, request):
+    if method == "spawn":
+        shared, seen, _ = request.getfixturevalue("spawned_child")
+    else:
+        shared = small_shared()
+        [seen] = run_child(mp.get_context(method), report,
+                           (shared["list"], shared["dict"], shared["array"], shared["tensor"]))
+    shared_list = shared["list"]
+    tensor_fd, _ = shared["tensor"].untyped_storage()._share_fd_cpu_()
     assert seen["pid"] != os.getpid()
     assert seen["list"] == ["SharedSequence", True, memory_of(shared_list)]
-    assert seen["dict"] == ["SharedMapping", True, "7", memory_of(shared_dict)]
-    assert seen["array"] == [True, memory_of(shared_array)]
+    assert seen["dict"] == ["SharedMapping", True, "7", memory_of(shared["dict"])]
+    assert seen["array"] == [True, memory_of(shared["array"])]
     assert seen["tensor"] == [True, identity(tensor_fd)]
     # and through a queue, from this process to itself
+    queue = mp.get_context(method).Queue()
     queue.put(shared_list)
     back = queue.get(timeout=30)
     assert back == shared_list and memory_of(back) == memory_of(shared_list)
@@ -373,31 +422,24 @@ def test_child_processes_map_the_same_memory(method):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_reading_copies_nothing_into_the_reader(method):
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=ONE_SPAWNED_CHILD)])
+def test_reading_copies_nothing_into_the_reader(method, request):
     """Copy-on-read: a forked child reading every dict of a plain list copies
     the pages it touches (reference counts); reading a shared one writes no
     shared page, so the child's private memory (USS) stays flat, even though
     it is the only reader: the process that built the buffer maps all of it,
     so the pages the child maps count as shared."""
-    n = 100_000
-    plain = records(n)
-    shared = torchfeed.share(plain)
-    ctx = mp.get_context(method)
     growth = {}
-    for label, data in (("shared", shared), ("plain", plain)):
-        if label == "plain" and method != "fork":
-            continue  # spawn pickles a plain list whole before the child starts reading
-        queue = ctx.Queue()
-        child = ctx.Process(target=private_growth_reading, args=(data, queue))
-        child.start()
-        try:
-            growth[label], total = queue.get(timeout=90)
-        finally:
-            child.join(10)
-            if child.is_alive():
-                child.kill()
-        assert total == 2 * sum(range(n))
+    if method == "spawn":  # spawn pickles a plain list whole before the child starts reading
+        _, _, (growth["shared"], total) = request.getfixturevalue("spawned_child")
+        assert total == 2 * sum(range(READ_N))
+    else:
+        plain = records(READ_N)
+        shared = torchfeed.share(plain)
+        for label, data in (("shared", shared), ("plain", plain)):
+            [(growth[label], total)] = run_child(mp.get_context(method), private_growth_reading,
+                                                 (data,))
+            assert total == 2 * sum(range(READ_N))
     assert growth["shared"] < 4 * 2**20, growth
     if method == "fork":  # the premise: the same reads of the plain list do copy
         assert growth["plain"] > 20 * 2**20, growth
@@ -407,7 +449,10 @@ def test_reading_copies_nothing_into_the_reader(method):
 @pytest.mark.parametrize("method", START_METHODS)
 def test_dataloader_workers_read_the_shared_list(method):
     shared = torchfeed.share(records(64))
-    loader = torchfeed.DataLoader(SharedRecords(shared), batch_size=8, num_workers=2,
+    # Each worker gets the dataset the same way; under spawn and forkserver each is a
+    # fresh interpreter importing torch, so one shows it there (two forked ones here).
+    loader = torchfeed.DataLoader(SharedRecords(shared), batch_size=8,
+                                  num_workers=2 if method == "fork" else 1,
                                   multiprocessing_context=method)
     batches = list(loader)
     ids = torch.cat([b[:, 0] for b in batches]).tolist()
@@ -451,15 +496,11 @@ def test_sigkilled_main_process_leaves_nothing():
 # -- one copy per machine across ranks ---------------------------------------------------
 
 
-@pytest.mark.timeout(240)
-def test_two_ranks_on_one_host_map_one_copy(tmp_path):
-    tag = unique("ranks")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "_share_ranks.py"), str(tmp_path), tag]
-    code, output = launch_in_own_session(cmd, 200)
-    files = [tmp_path / f"rank{r}.json" for r in range(2)]
-    assert code == 0 and all(f.exists() for f in files), output[-6000:]
-    r0, r1 = (json.loads(f.read_text()) for f in files)
+@pytest.mark.timeout(420)  # the shared world-2 torchrun job runs other modules' scenarios too
+@LAUNCHES
+def test_two_ranks_on_one_host_map_one_copy(tmp_path_factory):
+    # tests/_share_ranks.py, run by both ranks of tests/dist_launches.py's world-2 job
+    r0, r1 = ranks_of(tmp_path_factory, "share")
     assert r0["pid"] != r1["pid"]
     for kind in ("list", "dict", "array", "tensor"):
         assert r0[kind]["memory"] == r1[kind]["memory"], kind

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data
+from dist_launches import LAUNCHES, ranks_of
 from torch.utils.data import Dataset
 
 import torchfeed
@@ -149,34 +150,15 @@ def test_iter_datapipe_resumes_into_the_same_shuffle(num_workers):
 
 
 @pytest.mark.long
-@pytest.mark.timeout(200)
-def test_iter_datapipe_is_sharded_across_ranks_like_torch(tmp_path):
+@pytest.mark.timeout(420)  # the shared world-2 torchrun job runs other modules' scenarios too
+@LAUNCHES
+def test_iter_datapipe_is_sharded_across_ranks_like_torch(tmp_path_factory):
     """Two ranks of a real gloo group (torchrun), each with a generator seeded
     differently: the shared seed is rank 0's, broadcast as torch does, so both
     ranks shuffle alike, and sharding by rank and worker gives every sample to
-    exactly one rank, in torch's batches."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).with_name("_dist_datapipes.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(script), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=170)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a failed launch
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, output[-6000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    exactly one rank, in torch's batches.  tests/_dist_datapipes.py, run by both
+    ranks of tests/dist_launches.py's world-2 job."""
+    ranks = ranks_of(tmp_path_factory, "datapipes")
     for num_workers in ("0", "2"):
         for rank in ranks:
             assert rank["torchfeed"][num_workers] == rank["torch"][num_workers]
