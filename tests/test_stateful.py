@@ -214,6 +214,7 @@ def test_stateless_warning_points_at_the_callers_line():
 
 
 @pytest.mark.big_imports
+@pytest.mark.xdist_group("hf_datasets")  # with test_bench_pipelines': datasets imported once
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_hugging_face_iterable_dataset_still_resumes_exactly(num_workers):
