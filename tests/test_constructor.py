@@ -346,6 +346,12 @@ def _accelerate_shards(loader_class, num_workers):
     return shards
 
 
+# prepare_data_loader imports some 900 modules (Hugging Face datasets, pandas,
+# pyarrow, torchdata): afterwards every gc.collect() and fork in this process costs
+# several times more (a faults test's own CPU went from 0.04 s to 0.15 s).  So it runs
+# last, on the worker that imports datasets anyway.
+@pytest.mark.big_imports
+@pytest.mark.xdist_group("hf_datasets")
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_accelerate_prepare_data_loader_deals_the_same_shards(num_workers):

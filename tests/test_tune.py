@@ -241,6 +241,9 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, capfd, monkeyp
     assert not png.exists()
 
 
+# matplotlib and a drawn figure leave some 40,000 objects in this process, which
+# every later gc.collect() walks (+30 ms a loader in the faults tests): so, last.
+@pytest.mark.big_imports
 @pytest.mark.timeout(60)
 def test_plot_writes_a_png(tmp_path):
     # matplotlib is in the [test] extra, so this runs wherever the tests do; its
