@@ -197,22 +197,32 @@ def _position(state: dict) -> dict:
                                   "samples_yielded")}
 
 
-def check_resume(make, k: int, epochs: int, *, finished: bool = False, make_resumed=None,
-                 restore_global: bool = True, before_epoch=None, how: str = "json",
-                 tmp_path=None, current_epoch_only: bool = False):
-    """Take k batches, save, resume on a fresh loader: the rest must equal an uninterrupted run.
-
-    ``finished``: k ends an epoch and the state is taken after its StopIteration.
-    ``make_resumed`` builds the resumed loader (default ``make``): elastic cases.
-    ``current_epoch_only``: compare the rest of the epoch in progress only.
-    The global RNG is scrambled between save and resume, as a new process would
-    have it, and put back from the checkpoint when ``restore_global``.
-    """
+def uninterrupted(make, epochs: int, before_epoch=None):
+    """The run check_resume compares against: ``epochs`` epochs of a fresh
+    ``make()`` from SEED, and where its loader ends.  It depends on nothing
+    else, so checks of several k with the same ``make`` may share one."""
     torch.manual_seed(SEED)
     reference = make()
     full = run_epochs(reference, epochs, before_epoch)
     where = _position(reference.state_dict())
     close(reference)
+    return full, where
+
+
+def check_resume(make, k: int, epochs: int, *, finished: bool = False, make_resumed=None,
+                 restore_global: bool = True, before_epoch=None, how: str = "json",
+                 tmp_path=None, current_epoch_only: bool = False, reference=None):
+    """Take k batches, save, resume on a fresh loader: the rest must equal an uninterrupted run.
+
+    ``finished``: k ends an epoch and the state is taken after its StopIteration.
+    ``make_resumed`` builds the resumed loader (default ``make``): elastic cases.
+    ``current_epoch_only``: compare the rest of the epoch in progress only.
+    ``reference``: ``uninterrupted(make, epochs, before_epoch)``, when several
+    checks share it (each run with workers starts them afresh: ~0.1 CPU-s).
+    The global RNG is scrambled between save and resume, as a new process would
+    have it, and put back from the checkpoint when ``restore_global``.
+    """
+    full, where = reference or uninterrupted(make, epochs, before_epoch)
 
     torch.manual_seed(SEED)
     loader = make()

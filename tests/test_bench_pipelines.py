@@ -61,6 +61,7 @@ def tiny_datasets(tmp_path_factory):
 
 
 @pytest.mark.big_imports
+@pytest.mark.xdist_group("hf_datasets")  # one worker builds tiny_datasets and imports datasets
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["jpeg", "text", "hf"])
 def test_every_loader_gives_the_same_batches(name, tiny_datasets):
@@ -135,6 +136,7 @@ def test_pad_collate_pads_masks_and_labels():
 
 
 @pytest.mark.big_imports
+@pytest.mark.xdist_group("hf_datasets")
 def test_hf_workload_is_a_memory_mapped_torch_format_dataset(tmp_path):
     import datasets
 

@@ -198,13 +198,18 @@ def test_len_of_iterable_is_counted_like_torch():
 def _rebuild_with_sampler(loader, sampler):
     """Lightning's own injection (Fabric and the Trainer share it): rebuild
     ``type(loader)`` from the attributes named after ``__init__``'s parameters,
-    with ``sampler`` swapped in.  The real library, from the [test] extra."""
+    with ``sampler`` swapped in.  The real library, from the [test] extra.
+
+    Importing it costs some 5 CPU-seconds (its version checks import torchmetrics,
+    which imports transformers), so every test that imports Lightning carries
+    ``xdist_group("lightning")``: one pytest-xdist worker pays it, once."""
     data = pytest.importorskip("lightning_fabric.utilities.data",
                                reason="Lightning Fabric is not installed (the [test] extra has it)")
     return data._update_dataloader(loader, sampler)
 
 
 @pytest.mark.big_imports
+@pytest.mark.xdist_group("lightning")  # see _rebuild_with_sampler
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_rebuild_with_distributed_sampler(num_workers):
@@ -222,6 +227,7 @@ def test_rebuild_with_distributed_sampler(num_workers):
 
 
 @pytest.mark.big_imports
+@pytest.mark.xdist_group("lightning")
 def test_rebuild_keeps_every_torch_attribute():
     gen = torch.Generator()
     loader = torchfeed.DataLoader(RangeDataset(10), batch_size=3, num_workers=1, timeout=2,
@@ -340,6 +346,12 @@ def _accelerate_shards(loader_class, num_workers):
     return shards
 
 
+# prepare_data_loader imports some 900 modules (Hugging Face datasets, pandas,
+# pyarrow, torchdata): afterwards every gc.collect() and fork in this process costs
+# several times more (a faults test's own CPU went from 0.04 s to 0.15 s).  So it runs
+# last, on the worker that imports datasets anyway.
+@pytest.mark.big_imports
+@pytest.mark.xdist_group("hf_datasets")
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_accelerate_prepare_data_loader_deals_the_same_shards(num_workers):

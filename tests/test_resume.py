@@ -19,6 +19,7 @@ from _resume_helpers import (
     SlowFirst,
     check_resume,
     ids,
+    uninterrupted,
 )
 from loader_helpers import needs_in_order
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler
@@ -209,9 +210,10 @@ def test_two_workers_resume_exactly(case, k, finished):
 @pytest.mark.timeout(60)
 def test_persistent_workers_several_epochs():
     make = make_for("shuffle", num_workers=2, persistent_workers=True)
+    reference = uninterrupted(make, epochs=3)
     for k in (1, L, 2 * L + 1):
-        check_resume(make, k, epochs=3)
-    state = check_resume(make, L, epochs=3, finished=True)
+        check_resume(make, k, epochs=3, reference=reference)
+    state = check_resume(make, L, epochs=3, finished=True, reference=reference)
     assert state["epoch_finished"] and state["epoch"] == 0
 
 
@@ -224,8 +226,10 @@ def test_user_sampler_with_state_and_workers():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("saved, resumed", [(2, 0), (0, 2), (2, 1)])
 def test_elastic_num_workers(saved, resumed):
+    make = make_for("shuffle-generator", num_workers=saved)
+    reference = uninterrupted(make, epochs=2)
     for k in (2, L + 1):
-        check_resume(make_for("shuffle-generator", num_workers=saved), k, epochs=2,
+        check_resume(make, k, epochs=2, reference=reference,
                      make_resumed=make_for("shuffle-generator", num_workers=resumed))
 
 

@@ -13,7 +13,9 @@ from _resume_helpers import Ids, ids
 
 from torchfeed import DataLoader
 
-pytestmark = pytest.mark.big_imports  # Lightning, in this process
+# Lightning, in this process: on the one pytest-xdist worker that runs every test
+# importing Lightning (tests/test_constructor.py's too), which pays its import once.
+pytestmark = [pytest.mark.big_imports, pytest.mark.xdist_group("lightning")]
 N, BS = 10, 3  # 4 steps an epoch
 
 

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from _resume_helpers import Ids, check_resume, close, ids
+from _resume_helpers import Ids, check_resume, close, ids, uninterrupted
 from stateful_datasets import ArgsState, Counting, RaisingState, SelfIterating
 
 from torchfeed import DataLoader
@@ -30,9 +30,10 @@ def test_stateful_map_dataset_resumes_its_own_state(num_workers, persistent):
     def make():
         return DataLoader(Counting(20), batch_size=2, num_workers=num_workers,
                           persistent_workers=persistent)
+    reference = uninterrupted(make, epochs=2)
     for k in (3, 10):  # inside epoch 0; at the end of epoch 0 (10 batches)
-        check_resume(make, k, epochs=2)
-    check_resume(make, 10, epochs=2, finished=True)
+        check_resume(make, k, epochs=2, reference=reference)
+    check_resume(make, 10, epochs=2, finished=True, reference=reference)
 
 
 @THREE_WORKERS
@@ -73,8 +74,9 @@ def test_stateful_map_dataset_same_state_maps_to_any_num_workers():
 def test_stateful_iterator_is_restored_after_iter(num_workers):
     def make():
         return DataLoader(SelfIterating(21), batch_size=2, num_workers=num_workers)
+    reference = uninterrupted(make, epochs=1)
     for k in (1, 4, 7):
-        state = check_resume(make, k, epochs=1)
+        state = check_resume(make, k, epochs=1, reference=reference)
         assert any(s is not None for s in state["iterator_states"])
         assert state["worker_states"] == [None] * max(1, num_workers)
 
@@ -214,6 +216,7 @@ def test_stateless_warning_points_at_the_callers_line():
 
 
 @pytest.mark.big_imports
+@pytest.mark.xdist_group("hf_datasets")  # with test_bench_pipelines': datasets imported once
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_hugging_face_iterable_dataset_still_resumes_exactly(num_workers):

@@ -30,12 +30,16 @@ QUICK = dict(seconds=0.2, max_workers=1, prefetch_factors=(2,))
 # faulthandler.enable() cannot use.
 
 
-def _run_cli(*args, cwd):
+def _cli_env():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), str(TESTS)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return subprocess.run([sys.executable, "-m", "torchfeed.tune", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return env
+
+
+def _run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "torchfeed.tune", *args], cwd=cwd,
+                          env=_cli_env(), capture_output=True, text=True, timeout=60)
 
 
 def _tuple_collate(samples):
@@ -107,18 +111,39 @@ def test_loader_arguments_other_batching_modes():
     assert bare[0] is torchfeed.DataLoader and bare[1] == {"dataset": dataset, "batch_size": 1}
 
 
+# One fresh interpreter (a torch import: ~2 CPU-s) for two checks: what a bare
+# ``import torchfeed`` loads, then the command line's missing-module error, started
+# as ``python -m torchfeed.tune`` starts it (runpy runs the package's __main__ with
+# sys.argv set).  The xdist_group keeps both tests on the worker that ran it.
+FRESH_INTERPRETER = (
+    "import sys, torchfeed\n"
+    "print(sorted(m for m in sys.modules if m.startswith(('torchfeed.bench', 'torchfeed._tuner'))))\n"
+    "torchfeed.tune\n"
+    "print('torchfeed._tuner' in sys.modules, flush=True)\n"
+    "import runpy\n"
+    "sys.argv = ['torchfeed.tune', 'no_such_module_xyz:factory', '--seconds', '0.1']\n"
+    "runpy.run_module('torchfeed.tune', run_name='__main__', alter_sys=True)\n")
+fresh_interpreter_group = pytest.mark.xdist_group("test_tune_fresh_interpreter")
+
+
+@pytest.fixture(scope="module")
+def fresh_interpreter(tmp_path_factory):
+    """(the probe's two stdout lines, the rest of stdout, the finished process)."""
+    proc = subprocess.run([sys.executable, "-c", FRESH_INTERPRETER],
+                          cwd=tmp_path_factory.mktemp("fresh"), env=_cli_env(),
+                          capture_output=True, text=True, timeout=60)
+    lines = proc.stdout.split("\n")
+    return lines[:2], "\n".join(lines[2:]), proc
+
+
 @pytest.mark.long
-@pytest.mark.timeout(60)
-def test_import_torchfeed_loads_neither_the_tuner_nor_the_bench():
+@pytest.mark.timeout(90)
+@fresh_interpreter_group
+def test_import_torchfeed_loads_neither_the_tuner_nor_the_bench(fresh_interpreter):
     # Every spawned worker imports torchfeed: the bench (and what it pulls in)
     # must load only when torchfeed.tune is first used.
-    probe = ("import sys, torchfeed\n"
-             "print(sorted(m for m in sys.modules if m.startswith(('torchfeed.bench', 'torchfeed._tuner'))))\n"
-             "torchfeed.tune\n"
-             "print('torchfeed._tuner' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=50,
-                         check=True).stdout.split("\n")
-    assert out[0] == "[]" and out[1] == "True"
+    probe, _, proc = fresh_interpreter
+    assert probe == ["[]", "True"], proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(60)
@@ -172,13 +197,15 @@ def test_cli_end_to_end(tmp_path):
 
 
 @pytest.mark.long
-@pytest.mark.timeout(60)
-def test_cli_missing_module_is_one_clear_line(tmp_path):
-    proc = _run_cli("no_such_module_xyz:factory", "--seconds", "0.1", cwd=tmp_path)
+@pytest.mark.timeout(90)
+@fresh_interpreter_group
+def test_cli_missing_module_is_one_clear_line(fresh_interpreter):
+    probe, cli_stdout, proc = fresh_interpreter
+    assert probe == ["[]", "True"], proc.stdout + proc.stderr  # the CLI's part ran after it
     assert proc.returncode == 2
     assert "cannot import module 'no_such_module_xyz'" in proc.stderr
     assert "PYTHONPATH" in proc.stderr
-    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert "Traceback" not in proc.stderr and cli_stdout == ""
 
 
 @pytest.mark.parametrize("target, message", [
@@ -214,6 +241,9 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, capfd, monkeyp
     assert not png.exists()
 
 
+# matplotlib and a drawn figure leave some 40,000 objects in this process, which
+# every later gc.collect() walks (+30 ms a loader in the faults tests): so, last.
+@pytest.mark.big_imports
 @pytest.mark.timeout(60)
 def test_plot_writes_a_png(tmp_path):
     # matplotlib is in the [test] extra, so this runs wherever the tests do; its
