@@ -5,8 +5,8 @@ Workers take the next test as they come free, in collection order, so:
 * tests marked ``long`` (ten seconds or more on two cores: they start
   interpreters, torchrun jobs, or thousands of batches) come first, so that a run
   does not end with one worker busy on a long test while the others sit idle;
-* tests marked ``big_imports`` (they import Lightning, Ray or Hugging Face
-  datasets into the test process, each 100 MiB or more) come last: every fork
+* tests marked ``big_imports`` (they import Lightning, Accelerate, Hugging Face
+  datasets or matplotlib into the test process, each 100 MiB or more) come last: every fork
   after them in that process (a loader's workers) copies their page tables,
   which made each fork about 2.5 times as costly.
 
@@ -17,7 +17,8 @@ Once collected, what collection built (torch, the test modules: some 170,000
 objects) goes into the collector's permanent generation, which CPython made
 for this: every ``gc.collect()`` a test or a leak check runs, and every
 automatic full collection, then walks only what the tests made since.  Each
-one took about 0.1 s before, most of the fault tests' time.
+one took about 0.1 s before, most of the fault tests' time.  After a test that
+imported a hundred modules or more, what it imported is frozen the same way.
 
 pytest rewrites each test module's asserts when it imports it (about 3.5 s of
 CPU for this suite) and keeps the result in ``__pycache__`` beside it, unless
@@ -29,11 +30,13 @@ looks (``tests/__pycache__``, ignored by git); the workers only read them.
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parent
 _rewriting: list[threading.Thread] = []
+_frozen_with = [0]  # len(sys.modules) at the last gc.freeze()
 
 
 def _rewrite_test_modules(config) -> None:
@@ -75,6 +78,17 @@ def pytest_unconfigure(config):
 def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
+    _frozen_with[0] = len(sys.modules)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    # A test that imports a framework (Accelerate brings HF datasets, pandas and
+    # pyarrow: ~950 modules) leaves its objects to every later collection in
+    # this worker: freeze them too, as collection's were.
+    if len(sys.modules) > _frozen_with[0] + 100:
+        gc.collect()
+        gc.freeze()
+        _frozen_with[0] = len(sys.modules)
 
 
 def pytest_collection_modifyitems(config, items):
