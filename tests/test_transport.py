@@ -291,7 +291,8 @@ def test_pool_cap_bounds_slots_and_the_rest_travel_inline_quietly():
         ranges = slot_ranges()
         for _, (img, _labels) in held[3:]:
             assert not in_slot(img.data_ptr(), ranges) and not img.is_shared()
-        assert len(os.listdir("/proc/self/fd")) == fds
+        # Not equal: an earlier test's object, freed meanwhile, may close one of its own.
+        assert len(os.listdir("/proc/self/fd")) <= fds
 
 
 # -- space check and limit -----------------------------------------------------
