@@ -8,6 +8,17 @@ on stdout when run as a script).  Then:
 
 * ``sigkill``: SIGKILLs itself, as the OOM killer would;
 * ``wait``: keeps iterating until the test interrupts it (SIGINT, SIGTERM).
+
+    python faults_main_process.py --serve
+
+imports torch and torchfeed once, then for each line ``KIND PERSISTENT PIN
+ACTION STDERR_PATH`` read from stdin forks a child that is this script run as
+``__main__`` with those arguments, in its own session, its stderr going to
+STDERR_PATH.  The child prints ``MAIN <pid> WORKERS <pid> <pid>``; when it has
+exited the server prints ``EXIT <code>`` (``subprocess``'s returncode).  The
+child leaves by the interpreter's own exit path, as the script does (an
+uncaught KeyboardInterrupt's traceback, atexit hooks, multiprocessing's
+clean-up, SIGINT's exit status), but costs a fork instead of an import of torch.
 """
 import os
 import signal
@@ -45,7 +56,31 @@ def _print_workers(pids):
     print("WORKERS", *pids, flush=True)
 
 
+def _serve() -> None:
+    for line in sys.stdin:
+        kind, persistent, pin, action, stderr_path = line.split()
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 2)
+            sys.argv[1:] = [kind, persistent, pin, action]
+            return  # into __main__'s code below, as the script itself
+        _, status = os.waitpid(pid, 0)
+        print("EXIT", os.waitstatus_to_exitcode(status), flush=True)
+    sys.exit(0)
+
+
+def _print_main_and_workers(pids):
+    print("MAIN", os.getpid(), "WORKERS", *pids, flush=True)
+
+
 if __name__ == "__main__":
+    serving = sys.argv[1:] == ["--serve"]
+    if serving:
+        _serve()  # returns only in a child
     # The premise of the tests that interrupt this script: Ctrl-C raises
     # KeyboardInterrupt and SIGTERM ends it, as in a terminal, even when whoever
     # started pytest ignored them (a job started with & from a script ignores SIGINT,
@@ -53,4 +88,5 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     kind, persistent, pin, action = sys.argv[1:]
-    run(kind, persistent == "1", pin == "1", action, _print_workers)
+    run(kind, persistent == "1", pin == "1", action,
+        _print_main_and_workers if serving else _print_workers)

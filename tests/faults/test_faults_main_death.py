@@ -14,7 +14,9 @@ own, so a fork of this test process is as good a "training script" as a fresh
 interpreter, and costs milliseconds instead of seconds of importing torch.
 Ctrl-C does run the interpreter's exit path (atexit hooks, multiprocessing's
 clean-up of daemonic children), so it runs a real script, ``faults_main_process.py``,
-over fewer configurations.
+over fewer configurations: as ``__main__`` in a child that one server
+interpreter (``--serve``, which imported torch once) forks for each case, and
+which leaves by that same exit path.
 
 A fork cannot use CUDA once its parent has (and on a CUDA build, this test
 process has, or has at least asked the driver for its devices, which is as
@@ -22,6 +24,7 @@ bad): so on a torch built with an accelerator, the pin-thread cases, whose
 main process pins batches for real, run the real script too (``start_main``).
 """
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -178,6 +181,90 @@ class Forked(_Main):
         return self.returncode, self.stderr()
 
 
+class ScriptServer:
+    """``faults_main_process.py --serve``: one fresh interpreter that imports
+    torch once and forks each Ctrl-C case's main process from there."""
+
+    def __init__(self):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, SCRIPT, "--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.buffered = b""  # read from the pipe's fd, unbuffered, so select() tells the truth
+
+    def readline(self, timeout: float) -> str:
+        """The next line, or "" if none is whole within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffered:
+            left = deadline - time.monotonic()
+            if not select.select([self.proc.stdout.fileno()], [], [], max(left, 0))[0]:
+                return ""
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                return ""
+            self.buffered += chunk
+        line, self.buffered = self.buffered.split(b"\n", 1)
+        return line.decode() + "\n"
+
+    def close(self):
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Served(_Main):
+    """``faults_main_process.py`` run as ``__main__`` in a child of the server, in
+    its own session: the interpreter's whole exit path, without the import."""
+
+    def __init__(self, server, config, action, stderr_path):
+        kind, persistent, pin = config
+        self.server, self.stderr_path, self.returncode = server, stderr_path, None
+        server.proc.stdin.write(
+            f"{kind} {int(persistent)} {int(pin)} {action} {stderr_path}\n")
+        server.proc.stdin.flush()
+        _started.append(self)
+        line = server.readline(timeout=60)
+        if not line.startswith("MAIN"):
+            self._take_exit(line)
+            pytest.fail(f"the script did not start its workers: {line}\n{self.stderr()}")
+        words = line.split()
+        self.pid, self.workers = int(words[1]), [int(p) for p in words[3:]]
+        assert len(self.workers) == 2
+
+    def _take_exit(self, line):
+        if line.startswith("EXIT"):
+            self.returncode = int(line.split()[1])
+
+    def _main_exited(self):
+        if self.returncode is None:
+            self._take_exit(self.server.readline(timeout=0))
+        return self.returncode is not None
+
+    def stderr(self):
+        with open(self.stderr_path) as f:
+            return f.read()
+
+    def finish(self):
+        if self.returncode is None and not _gone(self.pid):
+            os.kill(self.pid, signal.SIGKILL)
+        while self.returncode is None:
+            line = self.server.readline(timeout=30)
+            if not line:
+                raise RuntimeError("the script server reported no exit")
+            self._take_exit(line)
+        self._cleanup_workers()
+        return self.returncode, self.stderr()
+
+
+@pytest.fixture(scope="module")
+def script_server():
+    server = ScriptServer()
+    yield server
+    server.close()
+
+
 # Read from the build, not the device: asking for the device would itself
 # initialise the driver in this process.
 ACCELERATOR_BUILD = torch.version.cuda is not None or torch.version.hip is not None
@@ -212,9 +299,10 @@ def test_main_process_sigkill_leaves_nothing(config, tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.xdist_group("ctrl_c_script_server")
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids)
-def test_ctrl_c_exits_cleanly(config):
-    script = Script(config, "wait")
+def test_ctrl_c_exits_cleanly(config, script_server, tmp_path):
+    script = Served(script_server, config, "wait", tmp_path / "stderr")
     sent = time.time()
     os.killpg(script.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     took = script.wait_all_gone(sent)
