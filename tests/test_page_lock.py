@@ -158,14 +158,14 @@ def test_stats_show_the_bytes_a_loader_keeps_page_locked(monkeypatch, runtime):
     loader = torchfeed.DataLoader(RangeDataset(64), batch_size=8, num_workers=1,
                                   pin_memory=True, persistent_workers=True)
     it = iter(loader)
-    batch = next(it)
+    # Every batch of the epoch, held: the pin thread has nothing left to lock
+    # while the two counts are read (after one batch it was still locking the next).
+    held = list(it)
     assert runtime.calls[0] == ("cudaHostRegister", "torchfeed-pin-memory")
     shm = loader.stats()["shm"]
     assert shm["page_locked_bytes"] == sum(runtime.locked.values()) > 0, (shm, runtime.locked)
     assert "page-locked" in str(loader.stats())
-    del batch
-    list(it)
-    del it, loader
+    del held, it, loader
     gc.collect()
     assert _page_lock.releaser.drain(timeout=10)
     assert runtime.locked == {}  # all unlocked once the loader is gone
