@@ -23,36 +23,33 @@ def shm_entries() -> set[str]:
         return set()
 
 
-# Names no loader of this suite's makes (see foreign_shm): multiprocessing's
-# named semaphores and Python's own SharedMemory segments.
-NEVER_OURS = ("sem.mp-", "psm_")
+def made_by_a_loader(name: str) -> bool:
+    """Whether a loader (torch's or torchfeed's) could have made this /dev/shm
+    entry: torch's loader names its segments ``torch_<pid>_...``, and torchfeed
+    makes none (its slots are nameless memfds) unless one is named after it.
+
+    No other name is ever a loader's, even when no live process holds it:
+    multiprocessing's named semaphores (``sem.mp-*``; this suite forks, and under
+    fork multiprocessing unlinks a semaphore's name as soon as it exists, while
+    other runs on the machine that spawn keep theirs named for a while), glibc's
+    semaphores being made (``sem.XXXXXX``), Python's ``SharedMemory`` segments
+    (``psm_*``: SPDL, the bench's peer, leaves one per loader until its process
+    exits) and the streaming libraries' (``000411_barrier``), all of which a test
+    running beside this one (pytest-xdist) may leave after its process exited."""
+    return name.startswith("torch_") or "torchfeed" in name
 
 
 def own_shm_entries() -> set[str]:
     """The /dev/shm entries that a loader (torch's or torchfeed's) could have made."""
-    return {name for name in shm_entries() if not name.startswith(NEVER_OURS)}
+    return {name for name in shm_entries() if made_by_a_loader(name)}
 
 
 def foreign_shm(name: str, ours: set[int]) -> bool:
-    """Whether a new entry belongs to another test run sharing the machine:
-    it is named after, mapped or held open by a live process outside this
-    test's tree.  An entry of ours that nobody maps or holds is a leak.
-
-    Named semaphores (``sem.mp-*``) are never ours: this suite uses the fork
-    start method, under which multiprocessing unlinks a semaphore's name as
-    soon as it exists; other runs on the machine that use spawn keep theirs
-    named for a while.  Nor are ``psm_*`` segments, Python's
-    ``SharedMemory`` default names: torchfeed's slots are memfds and torch's
-    segments are ``torch_*``, while SPDL (the bench's peer) leaves a ``psm_``
-    segment per loader until its process exits, which a test running beside
-    this one (pytest-xdist) may do.
-
-    Nor is any name without ``torch_`` or ``torchfeed`` in it: torch's loader
-    names its segments ``torch_<pid>_...`` and torchfeed's slots are nameless
-    memfds, while the streaming libraries tested beside this one
-    (``000411_barrier``) and glibc's semaphores being made (``sem.XXXXXX``)
-    leave names whose process may already have exited."""
-    if name.startswith(NEVER_OURS) or not (name.startswith("torch_") or "torchfeed" in name):
+    """Whether a new entry belongs to another test run sharing the machine: one
+    no loader makes (``made_by_a_loader``), or one named after, mapped or held
+    open by a live process outside this test's tree.  An entry of ours that
+    nobody maps or holds is a leak."""
+    if not made_by_a_loader(name):
         return True
     for pid in map(int, re.findall(r"(?<![0-9])(\d{2,9})(?![0-9])", name)):
         if pid not in ours and psutil.pid_exists(pid):
