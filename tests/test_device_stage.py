@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import multiprocessing
 import os
+import threading
 
 import pytest
 import torch
@@ -314,24 +315,6 @@ class _Calls:
         self.recorded: list = []
 
 
-class RecordedBatch:
-    """Like a TensorDict or a PyG Data: its own to() and record_stream()."""
-
-    def __init__(self, x, calls):
-        self.x, self.calls = x, calls
-
-    def to(self, device, non_blocking=False):
-        import threading
-
-        self.calls.to.append(threading.current_thread().name)
-        return RecordedBatch(self.x.to(device, non_blocking=non_blocking).clone(), self.calls)
-
-    def record_stream(self, stream):
-        if self.x.is_cuda:
-            self.x.record_stream(stream)
-        self.calls.recorded.append(stream)
-
-
 class OwnBatch:
     """A user's batch class: its own to(), no record_stream."""
 
@@ -339,10 +322,17 @@ class OwnBatch:
         self.x, self.calls = x, calls
 
     def to(self, device, non_blocking=False):
-        import threading
-
         self.calls.to.append(threading.current_thread().name)
-        return OwnBatch(self.x.to(device, non_blocking=non_blocking).clone(), self.calls)
+        return type(self)(self.x.to(device, non_blocking=non_blocking).clone(), self.calls)
+
+
+class RecordedBatch(OwnBatch):
+    """Like a TensorDict or a PyG Data: its own to() and record_stream()."""
+
+    def record_stream(self, stream):
+        if self.x.is_cuda:
+            self.x.record_stream(stream)
+        self.calls.recorded.append(stream)
 
 
 @pytest.mark.timeout(30)
