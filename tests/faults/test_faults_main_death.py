@@ -58,6 +58,11 @@ def _gone(pid: int) -> bool:
 _started = []
 
 
+def _script_env() -> dict:
+    """A fresh interpreter's environment: this process's imports, unbuffered output."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
+
+
 @pytest.fixture(autouse=True)
 def _finish_every_main():
     """Kill whatever a failed test left running, before the leak check looks."""
@@ -91,7 +96,7 @@ class Script(_Main):
 
     def __init__(self, config, action):
         kind, persistent, pin = config
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
+        env = _script_env()
         self.proc = subprocess.Popen(
             [sys.executable, SCRIPT, kind, str(int(persistent)), str(int(pin)), action],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -186,7 +191,7 @@ class ScriptServer:
     torch once and forks each Ctrl-C case's main process from there."""
 
     def __init__(self):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
+        env = _script_env()
         self.proc = subprocess.Popen([sys.executable, SCRIPT, "--serve"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         self.buffered = b""  # read from the pipe's fd, unbuffered, so select() tells the truth
