@@ -186,9 +186,9 @@ def test_workers_exit_within_2s_when_main_is_sigkilled(delay):
     """The main process, consuming or blocked in next() while its workers sit in
     __getitem__, is SIGKILLed: its workers are gone within 2 s.  SIGKILL runs
     none of the main's exit path, so a fork of this process is as good a
-    training script as a fresh interpreter (the busy-in-getitem case is what
-    test_workers_exit_within_2s_when_main_script_is_sigkilled checked, at the
-    cost of importing torch in one)."""
+    training script as a fresh interpreter: the busy-in-getitem case is also
+    the one a main started as a script would be in, checked without importing
+    torch afresh."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
