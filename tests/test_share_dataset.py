@@ -201,7 +201,13 @@ def test_a_restarted_worker_reads_the_shared_attributes(start_method, tmp_path):
 # -- telling the user ---------------------------------------------------------------
 @pytest.mark.timeout(90)
 def test_warning_and_stats_name_the_attribute_that_is_copied(monkeypatch, caplog):
-    monkeypatch.setattr(costs, "USS_GROWTH_WARN", 12 * MiB)
+    # Each worker reading half of these records ends its epoch about 14 MiB larger
+    # (the dicts' and lists' pages, whose reference counts it writes); with
+    # share_dataset=True, under 1 MiB.  At 4 MiB the growth passes the bound a
+    # third of the way through the epoch, so some periodic reading sees it even
+    # when readings are slow (at 12 MiB only the epoch's last ones did, and a
+    # busy machine missed them).
+    monkeypatch.setattr(costs, "USS_GROWTH_WARN", 4 * MiB)
     monkeypatch.setattr(costs, "MEMORY_CHECK_EVERY", 0.0)  # a check at every batch
     monkeypatch.setattr(costs, "_warned", False)
     # About 60 MiB of dicts and lists.  Two workers: a page that the main process
