@@ -13,13 +13,22 @@ one torchrun job (an agent and two interpreters importing torch) serves them all
 ``--share TAG`` runs tests/_share_ranks.py's scenario into OUT_DIR/share and
 ``--datapipes`` tests/_dist_datapipes.py's into OUT_DIR/datapipes, and
 ``--accelerate`` tests/_accelerate_ranks.py's (test_frameworks.py) into
-OUT_DIR/accelerate, last: it imports Accelerate and sets the global seed.  Each part
+OUT_DIR/accelerate: it imports Accelerate and sets the global seed.  Each part
 that fails is reported and the next one still runs; the rank exits non-zero.
+
+``--readme-ddp DIR`` (the world-2 and world-1 launches) then runs the README's
+``DIR/train_ddp.py`` (test_readme.py) as torchrun runs it: as ``__main__``, from
+DIR, with that argv and this launch's torchrun environment, once every scenario
+above has destroyed its process group (the script makes its own).  Its output
+goes to ``DIR/output-N.txt`` for a launch of N ranks.
 """
 import argparse
+import contextlib
 import faulthandler
+import io
 import json
 import os
+import runpy
 import sys
 import traceback
 from pathlib import Path
@@ -164,6 +173,7 @@ def main():
     p.add_argument("--share", metavar="TAG")
     p.add_argument("--datapipes", action="store_true")
     p.add_argument("--accelerate", action="store_true")
+    p.add_argument("--readme-ddp", metavar="DIR")
     args = p.parse_args()
 
     # A hang fails the launch with every thread's stack instead of blocking the test.
@@ -188,7 +198,34 @@ def main():
             traceback.print_exc()
             failed = True
     dist.destroy_process_group()
+    if args.readme_ddp and not run_readme_ddp(Path(args.readme_ddp)):
+        failed = True
     sys.exit(1 if failed else 0)
+
+
+def run_readme_ddp(folder: Path) -> bool:
+    """The README's train_ddp.py, as ``torchrun ... train_ddp.py`` would run it
+    here.  Rank 0 writes what it printed, and its traceback if it failed, to
+    ``folder/output-WORLD_SIZE.txt``; any rank's traceback also goes to stderr."""
+    out = io.StringIO()
+    cwd, argv = os.getcwd(), sys.argv
+    ok = True
+    try:
+        assert not dist.is_initialized(), "a scenario left its process group behind"
+        os.chdir(folder)
+        sys.argv = ["train_ddp.py"]
+        with contextlib.redirect_stdout(out):
+            runpy.run_path("train_ddp.py", run_name="__main__")
+    except BaseException:
+        traceback.print_exc()
+        out.write(traceback.format_exc())
+        ok = False
+    finally:
+        os.chdir(cwd)
+        sys.argv = argv
+    if os.environ["RANK"] == "0":  # the only rank the script prints on
+        (folder / f"output-{os.environ['WORLD_SIZE']}.txt").write_text(out.getvalue())
+    return ok
 
 
 def samplers_and_loaders(args):

@@ -6,7 +6,10 @@ tests/_dist_ranks.py's (it also saves the checkpoints the world-3 and world-1
 launches resume from), tests/_share_ranks.py's (test_share.py) and
 tests/_dist_datapipes.py's (test_torch_fidelity.py) and, where Accelerate is installed,
 tests/_accelerate_ranks.py's (test_frameworks.py; with no GPU visible, as Accelerate's
-CPU ranks need: with one, each rank reached for a CUDA device of its own).  ``runs(tmp_path_factory)``
+CPU ranks need: with one, each rank reached for a CUDA device of its own).  The
+world-2 and world-1 jobs then run the README's DDP example, its first run and its
+resume at another scale (test_readme.py), as torchrun runs a script: each rank
+runs it as ``__main__`` (tests/_dist_ranks.py, ``--readme-ddp``).  ``runs(tmp_path_factory)``
 launches each job once per pytest process and keeps its results; the tests that
 use it carry ``LAUNCHES`` (one ``xdist_group``), so pytest-xdist runs them all on
 one worker, which launches each job once.
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from _dist_ranks import HANG_S
-from loader_helpers import launch_in_own_session
+from loader_helpers import launch_in_own_session, readme_python_block
 
 HERE = Path(__file__).resolve().parent
 
@@ -64,10 +67,13 @@ def launch(tmp_path_factory, name: str) -> Launch:
     if not _base:
         _base.append(tmp_path_factory.mktemp("torchrun"))
     base = _base[0]
+    readme = ["--readme-ddp", str(base / "readme")]
     if name == "n2":
+        (base / "readme").mkdir()
+        (base / "readme" / "train_ddp.py").write_text(readme_python_block("# train_ddp.py"))
         accelerate = ["--accelerate"] if importlib.util.find_spec("accelerate") else []
         run = Launch(2, base / name, "--save", "--share", f"ranks-{uuid.uuid4().hex[:12]}",
-                     "--datapipes", *accelerate, env={"CUDA_VISIBLE_DEVICES": ""})
+                     "--datapipes", *accelerate, *readme, env={"CUDA_VISIBLE_DEVICES": ""})
     elif name == "n3":
         launch(tmp_path_factory, "n2")
         run = Launch(3, base / name, "--resume-from", str(base / "n2"),
@@ -75,11 +81,20 @@ def launch(tmp_path_factory, name: str) -> Launch:
     elif name == "n1":
         launch(tmp_path_factory, "n3")
         run = Launch(1, base / name, "--resume-from", str(base / "n2"),
-                     "--chain-from", str(base / "n3"))
+                     "--chain-from", str(base / "n3"), *readme)
     else:
         raise ValueError(f"no launch named {name!r}")
     _launched[name] = run
     return run
+
+
+def readme_ddp_output(tmp_path_factory, nproc: int) -> str:
+    """What rank 0 of the README's DDP example printed in the world-``nproc`` job
+    (2: its first run; 1: its resume from the checkpoint that run left)."""
+    run = launch(tmp_path_factory, {2: "n2", 1: "n1"}[nproc])
+    out = _base[0] / "readme" / f"output-{nproc}.txt"
+    assert out.exists(), run.failure(out.name)
+    return out.read_text()
 
 
 def ranks_of(tmp_path_factory, part: str, nproc: int = 2) -> list:

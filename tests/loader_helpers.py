@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -219,3 +220,16 @@ def launch_in_own_session(cmd, timeout, env=None):
         except ProcessLookupError:
             pass
     return proc.returncode, output
+
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def readme_python_block(starting_with: str) -> str:
+    """The README's one ```python block whose first line is ``starting_with``
+    (its file name, ``# train_ddp.py``): the examples the tests run as written."""
+    with open(README) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    matches = [b for b in blocks if b.startswith(starting_with)]
+    assert len(matches) == 1, f"expected one README block starting with {starting_with!r}"
+    return matches[0]

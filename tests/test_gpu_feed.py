@@ -22,6 +22,7 @@ import signal
 
 import pytest
 import torch
+from loader_helpers import readme_python_block
 from torch.utils.data import Dataset
 
 import torchfeed
@@ -276,15 +277,12 @@ def test_batches_not_in_a_slot_are_pinned_by_copy_as_before():
 
 @pytest.mark.timeout(120)
 def test_readme_device_stage_example_runs_as_written(tmp_path):
-    import re
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), re.S)
-    [block] = [b for b in blocks if b.startswith("# feed_gpu.py")]
-    (tmp_path / "feed_gpu.py").write_text(block)
+    (tmp_path / "feed_gpu.py").write_text(readme_python_block("# feed_gpu.py"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     proc = subprocess.run([sys.executable, "feed_gpu.py"], cwd=tmp_path, env=env,

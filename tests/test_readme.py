@@ -4,60 +4,36 @@ The single-process examples are each saved under their own name and run as
 ``__main__``, one after another in one fresh interpreter (``examples``).
 
 The "Multiple GPUs and nodes" example is cut out of the README, saved as
-``train_ddp.py`` and launched with torchrun exactly as the README says: once
-with two processes, then again with one, which must resume the last epoch from
-the checkpoint the first run left.
+``train_ddp.py`` and run by torchrun with two processes, then again with one,
+which must resume the last epoch from the checkpoint the first run left.  Both
+runs ride on the torchrun jobs of tests/dist_launches.py (world 2, then world 1):
+each rank runs the script as ``__main__`` from its folder, with torchrun's
+environment, after the other scenarios of that job, so no launch of its own
+pays for an agent and ranks that import torch.
 """
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_launches import LAUNCHES, readme_ddp_output
+from loader_helpers import readme_python_block
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-
-
-def python_block(starting_with: str) -> str:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    matches = [b for b in blocks if b.startswith(starting_with)]
-    assert len(matches) == 1, f"expected one README block starting with {starting_with!r}"
-    return matches[0]
-
-
-def torchrun(nproc: int, script: Path) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", script.name]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    # Own session, so a hung run takes its ranks and their workers with it.
-    proc = subprocess.Popen(cmd, cwd=script.parent, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=100)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, output[-4000:]
-    return output
-
+ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.long
-@pytest.mark.timeout(240)
-def test_train_ddp_example_runs_and_resumes_at_another_scale(tmp_path):
-    script = tmp_path / "train_ddp.py"
-    script.write_text(python_block("# train_ddp.py"))
-    first = torchrun(2, script)
+@LAUNCHES
+@pytest.mark.timeout(420)  # the three torchrun jobs, should this test launch them
+def test_train_ddp_example_runs_and_resumes_at_another_scale(tmp_path_factory):
+    first = readme_ddp_output(tmp_path_factory, 2)
     assert [line for line in first.splitlines() if line.startswith("epoch ")][-1].startswith(
         "epoch 2: loss"), first
     assert "resuming" not in first
-    assert (tmp_path / "checkpoint.pt").exists()
 
-    second = torchrun(1, script)
+    second = readme_ddp_output(tmp_path_factory, 1)
     assert "resuming epoch 2 on 1 processes" in second, second
     assert re.search(r"^epoch 2: loss \d", second, re.M), second
     assert "epoch 0:" not in second and "epoch 1:" not in second
@@ -88,9 +64,9 @@ examples_together = pytest.mark.xdist_group("test_readme_examples")
 def examples(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("readme")
     for name in EXAMPLES:
-        (tmp / name).write_text(python_block(f"# {name}"))
+        (tmp / name).write_text(readme_python_block(f"# {name}"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(README.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+        [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     proc = subprocess.run([sys.executable, "-c", RUN_EXAMPLES, *EXAMPLES], cwd=tmp, env=env,
                           capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

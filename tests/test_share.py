@@ -28,6 +28,7 @@ import psutil
 import pytest
 import torch
 from dist_launches import LAUNCHES, ranks_of
+from loader_helpers import readme_python_block
 from share_helpers import (
     DiesMidRead,
     SharedRecords,
@@ -525,9 +526,7 @@ def test_two_ranks_on_one_host_map_one_copy(tmp_path_factory):
 
 @pytest.mark.timeout(180)
 def test_readme_example_runs_as_written(tmp_path):
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    [example] = [b for b in blocks if b.startswith("# share_records.py")]
-    (tmp_path / "share_records.py").write_text(example)
+    (tmp_path / "share_records.py").write_text(readme_python_block("# share_records.py"))
     out = subprocess.run([sys.executable, "share_records.py"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=170, env={**os.environ, "PYTHONPATH": str(ROOT)})
     lines = out.stdout.splitlines()
