@@ -1,7 +1,7 @@
 """The README's examples run as written.
 
-The single-process examples are each saved under their own name and run as
-``__main__``, one after another in one fresh interpreter (``examples``).
+The examples run with ``python <file>`` are each saved under their own name and
+run as ``__main__``, one after another in one fresh interpreter (``examples``).
 
 The "Multiple GPUs and nodes" example is cut out of the README, saved as
 ``train_ddp.py`` and run by torchrun with two processes, then again with one,
@@ -39,10 +39,11 @@ def test_train_ddp_example_runs_and_resumes_at_another_scale(tmp_path_factory):
     assert "epoch 0:" not in second and "epoch 1:" not in second
 
 
-# The single-process examples run one after another in one fresh interpreter
-# (one torch import for the three), each from its own file and as ``__main__``,
-# as ``python <file>`` runs it; each one's output and traceback are kept apart.
-EXAMPLES = ("stateful_iterable.py", "stall_demo.py", "copy_on_read.py")
+# The examples run with ``python <file>`` run one after another in one fresh
+# interpreter (one torch import for the four), each from its own file and as
+# ``__main__``, as ``python <file>`` runs it (a spawned worker imports it as
+# ``__mp_main__`` from that file too); each one's output and traceback are kept apart.
+EXAMPLES = ("stateful_iterable.py", "stall_demo.py", "copy_on_read.py", "share_records.py")
 RUN_EXAMPLES = """
 import contextlib, io, json, runpy, sys, traceback
 results = {}
@@ -118,3 +119,17 @@ def test_copy_on_read_example_shows_the_fix(examples):
     before, after = (int(m) for m in re.findall(
         r"^share_dataset=(?:False|True): a worker's private memory grew (\d+) MiB$", out, re.M))
     assert before > 20 and after < 5, out
+
+
+@pytest.mark.long
+@examples_together
+@pytest.mark.timeout(240)
+def test_share_records_example_prints_what_the_readme_shows(examples):
+    """The example of "One copy of the data per machine: torchfeed.share", as written: two
+    spawned workers read 200,000 shared records, each receiving a handle."""
+    lines = examples("share_records.py").splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0] == "99900000.0"
+    assert re.fullmatch(r"18 MiB shared; a spawned worker receives \d{3} bytes of it", lines[1])
+    assert lines[2].startswith("'SharedSequence' object does not support append: this list is "
+                               "shared read-only between processes")
