@@ -178,7 +178,10 @@ def main():
 
     # A hang fails the launch with every thread's stack instead of blocking the test.
     faulthandler.dump_traceback_later(HANG_S, exit=True)
-    dist.init_process_group("gloo")
+    if args.readme_ddp:
+        init_under_a_prefix("scenarios")
+    else:
+        dist.init_process_group("gloo")
     out = Path(args.out)
     parts = [lambda: samplers_and_loaders(args)]
     if args.share:
@@ -201,6 +204,21 @@ def main():
     if args.readme_ddp and not run_readme_ddp(Path(args.readme_ddp)):
         failed = True
     sys.exit(1 if failed else 0)
+
+
+def init_under_a_prefix(prefix: str) -> None:
+    """The default process group, on torchrun's store as ``env://`` makes it, with
+    its keys under ``prefix/``.  The README's example (``--readme-ddp``) makes the
+    default group again after this one is destroyed, as a fresh launch would: the
+    default group's keys are named by a count that ``destroy_process_group`` resets,
+    so on the same keys a rank of the second group could read the first one's
+    addresses and wait for ever (seen: one hang in a full run)."""
+    # torchrun --standalone's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE):
+    # every rank is a client of it, as under env://.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def run_readme_ddp(folder: Path) -> bool:
