@@ -32,6 +32,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LIBS = ["streaming", "litdata"]
 BATCHES = 38  # 300 samples in batches of 8
 
+# Every test here on one pytest-xdist worker, one after another: mosaicml-streaming
+# names its shared memory by the first prefix free on the machine, and two processes
+# making a StreamingDataset at once can pick the same one (a FileExistsError on
+# /dev/shm/000997_locals, seen in a full run).  The data is written once, too.
+pytestmark = pytest.mark.xdist_group("streaming_libraries")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _torchvision_shim_only_here():
@@ -205,7 +211,6 @@ def resumed(data, tmp_path_factory):
 
 
 @pytest.mark.long
-@pytest.mark.xdist_group("streaming_resume")
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("lib", LIBS)
 def test_mid_epoch_resume_in_a_fresh_process(data, lib, resumed):
