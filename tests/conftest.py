@@ -40,7 +40,7 @@ import threading
 from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parent
-_rewriting: list[threading.Thread] = []
+_preparing: list[threading.Thread] = []
 _frozen_with = [0]  # len(sys.modules) at the last gc.freeze()
 
 
@@ -86,11 +86,11 @@ def pytest_configure(config):
         thread = threading.Thread(target=_prepare_bytecode, args=(config,),
                                   name="prepare-bytecode", daemon=True)
         thread.start()
-        _rewriting.append(thread)
+        _preparing.append(thread)
 
 
 def pytest_unconfigure(config):
-    for thread in _rewriting:
+    for thread in _preparing:
         thread.join()
 
 
