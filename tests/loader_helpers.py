@@ -222,7 +222,16 @@ def launch_in_own_session(cmd, timeout, env=None):
     return proc.returncode, output
 
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+
+
+def env_with_path(*folders) -> dict:
+    """This process's environment with ``folders`` first on ``PYTHONPATH``, for a
+    fresh interpreter that must import what this one imports from them (the
+    checkout's torchfeed, the tests' helpers), whether torchfeed is installed or not."""
+    old = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, folders)] + ([old] if old else []))}
 
 
 def readme_python_block(starting_with: str) -> str:

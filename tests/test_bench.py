@@ -5,13 +5,13 @@ figure must exist and be sane, not be fast.
 """
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch.utils.data
+from loader_helpers import env_with_path
 
 from torchfeed._progress import Progress
 from torchfeed.bench.__main__ import main as bench_main
@@ -29,8 +29,7 @@ FIGURES = {"batches_per_s", "first_batch_s", "cpu_us_per_batch", "peak_mem_bytes
 @pytest.mark.timeout(180)
 def test_bench_quick_prints_the_table_and_writes_json(tmp_path):
     out_json = tmp_path / "bench.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = env_with_path(ROOT)
     proc = subprocess.run(
         [sys.executable, "-m", "torchfeed.bench", "--quick", "--workloads", "small",
          "--num-workers", "1", "--batches", "3", "--peers", "none", "--json", str(out_json)],

@@ -22,7 +22,7 @@ import signal
 
 import pytest
 import torch
-from loader_helpers import readme_python_block
+from loader_helpers import ROOT, env_with_path, readme_python_block
 from torch.utils.data import Dataset
 
 import torchfeed
@@ -279,13 +279,9 @@ def test_batches_not_in_a_slot_are_pinned_by_copy_as_before():
 def test_readme_device_stage_example_runs_as_written(tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
     (tmp_path / "feed_gpu.py").write_text(readme_python_block("# feed_gpu.py"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    proc = subprocess.run([sys.executable, "feed_gpu.py"], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, "feed_gpu.py"], cwd=tmp_path, env=env_with_path(ROOT),
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("batches on cuda:0 stats: 8"), proc.stdout

@@ -12,17 +12,14 @@ environment, after the other scenarios of that job, so no launch of its own
 pays for an agent and ranks that import torch.
 """
 import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from dist_launches import LAUNCHES, readme_ddp_output
-from loader_helpers import readme_python_block
+from loader_helpers import ROOT, env_with_path, readme_python_block
 
-ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.long
 @LAUNCHES
@@ -66,9 +63,8 @@ def examples(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("readme")
     for name in EXAMPLES:
         (tmp / name).write_text(readme_python_block(f"# {name}"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    proc = subprocess.run([sys.executable, "-c", RUN_EXAMPLES, *EXAMPLES], cwd=tmp, env=env,
+    proc = subprocess.run([sys.executable, "-c", RUN_EXAMPLES, *EXAMPLES], cwd=tmp,
+                          env=env_with_path(ROOT),
                           capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -82,7 +78,7 @@ def examples(tmp_path_factory):
 
 @pytest.mark.long
 @examples_together
-@pytest.mark.timeout(240)  # hang guards: the first of the three runs all three
+@pytest.mark.timeout(240)  # hang guards: the first of the four runs all four
 def test_stall_demo_prints_a_data_bound_summary(examples):
     """The "Is my training data-bound?" example, run as written.
 

@@ -4,12 +4,12 @@ Real loaders and real worker processes on a tiny dataset; nothing here
 asserts a speed, only that the tuner measures, recommends and explains.
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from loader_helpers import env_with_path
 from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
 
 import torchfeed
@@ -31,10 +31,7 @@ QUICK = dict(seconds=0.2, max_workers=1, prefetch_factors=(2,))
 
 
 def _cli_env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(TESTS)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return env
+    return env_with_path(ROOT, TESTS)
 
 
 def _run_cli(*args, cwd):
