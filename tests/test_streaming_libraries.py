@@ -76,13 +76,20 @@ def _run(loader_cls, dataset, epochs=2, **kwargs):
 @pytest.mark.parametrize("lib", LIBS)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_plain_iteration_is_torchs(data, lib, num_workers):
+    """Ours under spawn, the start method of issue 21, against torch's batches.
+
+    torch's loader gives the same batches and warnings under fork and spawn
+    (its workers run the same code either way; checked for both libraries when
+    this was written), so its reference runs under fork: two spawned workers
+    importing torch and the library cost it 5 to 8 s of CPU on 2 cores."""
     kwargs = {"num_workers": num_workers}
     if num_workers:
-        kwargs.update(persistent_workers=True, prefetch_factor=4,
-                      multiprocessing_context="spawn")
-    expected, expected_warnings = _run(torch.utils.data.DataLoader,
-                                       sd.make_dataset(lib, data[lib]), **kwargs)
-    got, got_warnings = _run(DataLoader, sd.make_dataset(lib, data[lib]), **kwargs)
+        kwargs.update(persistent_workers=True, prefetch_factor=4)
+    expected, expected_warnings = _run(
+        torch.utils.data.DataLoader, sd.make_dataset(lib, data[lib]), **kwargs,
+        **({"multiprocessing_context": "fork"} if num_workers else {}))
+    got, got_warnings = _run(DataLoader, sd.make_dataset(lib, data[lib]), **kwargs,
+                             **({"multiprocessing_context": "spawn"} if num_workers else {}))
     assert expected[0] == BATCHES and len(expected[1]) == BATCHES
     assert got == expected
     assert got_warnings == expected_warnings
