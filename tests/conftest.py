@@ -11,7 +11,13 @@ Workers take the next test as they come free, in collection order, so:
   which made each fork about 2.5 times as costly.
 
 Everything else keeps pytest's order.  ``xdist_group`` marks keep tests that
-share a costly module-scoped fixture on one worker (``--dist loadgroup``).
+share a costly module-scoped fixture on one worker (``--dist loadgroup``); a
+group goes where its first test is in this order.  That needs
+``--no-loadscope-reorder`` (``setup.cfg``): by default pytest-xdist sends the
+groups before every single test, the largest first, so the ``lightning`` and
+``hf_datasets`` groups started the run and their workers forked from 100 to
+170 MiB more heap for the rest of it (a run went from 204 s and 361 CPU-seconds
+to 178 s and 324 beside it, then 236 and 424 to 193 and 354).
 
 Once collected, what collection built (torch, the test modules: some 170,000
 objects) goes into the collector's permanent generation, which CPython made
