@@ -12,9 +12,10 @@ Workers take the next test as they come free, in collection order, so:
 
 Everything else keeps pytest's order.  ``xdist_group`` marks keep tests that
 share a costly module-scoped fixture on one worker (``--dist loadgroup``); a
-group goes where its first test is in this order.  That needs
-``--no-loadscope-reorder`` (``setup.cfg``): by default pytest-xdist sends the
-groups before every single test, the largest first, so the ``lightning`` and
+group goes where its first test is in this order.  That needs xdist's
+``--no-loadscope-reorder``, which ``pytest_configure`` sets where the option
+exists (pytest-xdist 3.6 on): by default it sends the groups before every
+single test, the largest first, so the ``lightning`` and
 ``hf_datasets`` groups started the run and their workers forked from 100 to
 170 MiB more heap for the rest of it (a run went from 204 s and 361 CPU-seconds
 to 178 s and 324 beside it, then 236 and 424 to 193 and 354).
@@ -87,6 +88,8 @@ def _prepare_bytecode(config) -> None:
 
 
 def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # each group where our order puts it
     in_controller = not hasattr(config, "workerinput")
     if in_controller and config.getoption("numprocesses", None):
         thread = threading.Thread(target=_prepare_bytecode, args=(config,),
