@@ -82,14 +82,14 @@ def test_plain_iteration_is_torchs(data, lib, num_workers):
     (its workers run the same code either way; checked for both libraries when
     this was written), so its reference runs under fork: two spawned workers
     importing torch and the library cost it 5 to 8 s of CPU on 2 cores."""
-    kwargs = {"num_workers": num_workers}
+    theirs, ours = {"num_workers": num_workers}, {"num_workers": num_workers}
     if num_workers:
-        kwargs.update(persistent_workers=True, prefetch_factor=4)
-    expected, expected_warnings = _run(
-        torch.utils.data.DataLoader, sd.make_dataset(lib, data[lib]), **kwargs,
-        **({"multiprocessing_context": "fork"} if num_workers else {}))
-    got, got_warnings = _run(DataLoader, sd.make_dataset(lib, data[lib]), **kwargs,
-                             **({"multiprocessing_context": "spawn"} if num_workers else {}))
+        both = dict(persistent_workers=True, prefetch_factor=4)
+        theirs.update(both, multiprocessing_context="fork")
+        ours.update(both, multiprocessing_context="spawn")
+    expected, expected_warnings = _run(torch.utils.data.DataLoader,
+                                       sd.make_dataset(lib, data[lib]), **theirs)
+    got, got_warnings = _run(DataLoader, sd.make_dataset(lib, data[lib]), **ours)
     assert expected[0] == BATCHES and len(expected[1]) == BATCHES
     assert got == expected
     assert got_warnings == expected_warnings
