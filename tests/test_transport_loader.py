@@ -367,7 +367,7 @@ def test_nothing_left_after_main_process_sigkill():
 
 KEEP_UNDER_FD_LIMIT = """
 import gc, json, os, resource, sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{root!r}, {tests!r}]  # the checkout's torchfeed, not an installed one
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
 import torch
 import torch.utils.data as tud
@@ -423,7 +423,7 @@ def kept_under_fd_limit():
     import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    script = KEEP_UNDER_FD_LIMIT.format(tests=tests)
+    script = KEEP_UNDER_FD_LIMIT.format(root=os.path.dirname(tests), tests=tests)
     hows = ["torch-loader", "torch-transport", "shm"]
     run = subprocess.run([sys.executable, "-c", script, *hows], capture_output=True, text=True,
                          timeout=100, cwd=tests)
