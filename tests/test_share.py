@@ -27,6 +27,7 @@ import psutil
 import pytest
 import torch
 from dist_launches import LAUNCHES, ranks_of
+from loader_helpers import env_with_path
 from share_helpers import (
     DiesMidRead,
     SharedRecords,
@@ -177,8 +178,7 @@ def loaded_in_a_fresh_process(tmp_path_factory):
                 "array": torchfeed.share(np.arange(5))}, folder / "data.pt")
     out = subprocess.run([sys.executable, "-c", FRESH_PROCESS_CODE, str(folder / "table.pkl"),
                           str(folder / "data.pt")], capture_output=True, text=True, timeout=100,
-                         env={**os.environ, "PYTHONHASHSEED": "random",
-                              "PYTHONPATH": f"{ROOT}:{HERE}"})
+                         env={**env_with_path(ROOT, HERE), "PYTHONHASHSEED": "random"})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
@@ -465,7 +465,7 @@ def test_sigkilled_main_process_leaves_nothing():
     before = set(os.listdir("/dev/shm"))
     main = subprocess.Popen([sys.executable, str(HERE / "share_helpers.py"), name, "5000"],
                             stdout=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": f"{ROOT}:{HERE}"})
+                            env=env_with_path(ROOT, HERE))
     try:
         line = main.stdout.readline()
         assert line, "the main process died before it was ready"
