@@ -118,12 +118,19 @@ def test_worker_dies_holding(scenario, monkeypatch, no_pin_warning):
 @pytest.mark.parametrize("then", ["next", "del"])
 def test_worker_dies_holding_while_the_iterator_is_idle(primitive, then, monkeypatch):
     """The hang of issue 25: the worker dies while nobody is in next(); the
-    next call, or dropping the iterator, must not wait on what it held."""
-    arm(monkeypatch, primitive, 2)  # worker 1's two first tasks arrive with iter()
+    next call, or dropping the iterator, must not wait on what it held.
+
+    Worker 1 dies at its third task, which only the second next() sends (tasks
+    go round-robin, four with iter(), one more as each batch is handed out): so
+    both calls have their batches first, whatever the order the workers run in.
+    Killed at its second task (sent with iter()), it could die holding the
+    result queue's lock before worker 0 had written batch 0, and the first
+    next() would rightly raise: that happened under a loaded machine."""
+    arm(monkeypatch, primitive, 3)
     loader = DataLoader(torch.utils.data.TensorDataset(torch.arange(64.0)), batch_size=1,
                         num_workers=2)
     it = iter(loader)
-    got = [next(it)]
+    got = [next(it), next(it)]
     pid = worker_pid(it, HOOK_WORKER)
     wait_dead(pid)
     start = time.monotonic()
