@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import tracemalloc
 
 import numpy as np
@@ -197,8 +198,13 @@ def test_persistent_workers_start_only_in_the_first_epoch():
 @pytest.mark.long
 @pytest.mark.timeout(120)
 def test_tune_says_when_starting_workers_dominates(capfd):
+    # A worker that takes a second to start (its worker_init_fn sleeps, as a
+    # slow import would) against an epoch of two tiny samples: starting
+    # dominates on any machine.  Forked, not spawned: the tuner reads the start
+    # from stats() whatever the start method, and each spawned worker would
+    # cost seconds of CPU importing torch.
     loader = torchfeed.DataLoader(scale_datasets.ImportProbe(), batch_size=1, num_workers=1,
-                                  multiprocessing_context="spawn")
+                                  multiprocessing_context="fork", worker_init_fn=slow_start)
     result = torchfeed.tune(loader, seconds=0.5, max_workers=1, prefetch_factors=(2,),
                             progress=False)
     assert result.rows[0].error is None  # num_workers=0 drops the start method torch rejects there
@@ -206,6 +212,10 @@ def test_tune_says_when_starting_workers_dominates(capfd):
     assert row.worker_start_s > 0 and row.worker_start_fraction >= 0.5, row
     assert any("persistent_workers=True" in n for n in result.notes), result.notes
     assert "persistent_workers=True" in capfd.readouterr().out
+
+
+def slow_start(worker_id):
+    time.sleep(1.0)
 
 
 # -- shuffling 10**8 samples -----------------------------------------------------------
