@@ -40,7 +40,7 @@ KINDS = [  # (text in the command line, kind), first match wins
     ("exec(eval(sys.stdin.readline()))", "pytest-xdist workers"),
     ("torch.distributed.run", "torchrun (agents and ranks)"),
     ("/ray/", "Ray"),
-    ("pytest", "pytest controller"),
+    ("pytest", "pytest main processes (the controller, and pytest run by a test)"),
 ]
 INHERITED = ("torchrun (agents and ranks)", "Ray")  # what a launcher starts is the launcher's
 
@@ -64,14 +64,22 @@ def read_records(path: str) -> list[dict]:
 
 
 def watch_command_lines(seen: dict[int, str], stop: threading.Event) -> None:
+    """Keep ``seen`` (pid: command line) current.  A process is read again
+    through its first seconds: seen between fork and exec, it still shows its
+    parent's command line."""
+    first_seen: dict[int, float] = {}
     while not stop.wait(0.1):
+        now = time.monotonic()
         for name in os.listdir("/proc"):
-            if name.isdigit() and int(name) not in seen:
-                try:
-                    with open(f"/proc/{name}/cmdline", "rb") as f:
-                        seen[int(name)] = f.read().replace(b"\0", b" ").decode(errors="replace")
-                except OSError:
-                    pass  # gone already
+            if not name.isdigit() or now - first_seen.setdefault(int(name), now) > 3.0:
+                continue
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue  # gone already
+            if cmdline:  # empty once the process is a zombie
+                seen[int(name)] = cmdline
 
 
 def kind_of(record: dict, cmdline: str | None) -> str:
@@ -114,12 +122,16 @@ def kinds_of(records: list[dict], cmdlines: dict[int, str]) -> dict[int, str]:
             chain.append(by_pid[chain[-1]["ppid"]])
         for member in reversed(chain):  # from the oldest ancestor down
             parent = kinds.get(member["ppid"], "").removeprefix("forked by ")
-            if member["forked"] and parent:
-                kinds[member["pid"]] = parent if parent in INHERITED else f"forked by {parent}"
+            own = kind_of(member, cmdlines.get(member["pid"]))
+            if member["forked"]:
+                # A forked process that outlived its parent was reparented to
+                # us; its command line is still the parent's.
+                origin = parent or own
+                kinds[member["pid"]] = origin if origin in INHERITED else f"forked by {origin}"
             elif parent in INHERITED:
                 kinds[member["pid"]] = parent
             else:
-                kinds[member["pid"]] = kind_of(member, cmdlines.get(member["pid"]))
+                kinds[member["pid"]] = own
     return kinds
 
 
@@ -169,8 +181,8 @@ def main(command: list[str], listed: str | None = None) -> int:
         print(f"{seconds:8.1f} {100 * seconds / max(total, 1e-9):5.1f}% {count[kind]:6d}  {kind}")
     for record in sorted(records, key=lambda r: -r["cpu"]):
         if kinds[record["pid"]] == listed:
-            print(f"  {record['cpu']:6.1f}  {record['pid']}  "
-                  f"{cmdlines.get(record['pid'], record['comm'])[:160]}")
+            cmdline = " ".join(cmdlines.get(record["pid"], record["comm"]).split())
+            print(f"  {record['cpu']:6.1f}  {record['pid']}  {cmdline[:160]}")
     return returncode
 
 
