@@ -40,7 +40,8 @@ KINDS = [  # (text in the command line, kind), first match wins
     ("exec(eval(sys.stdin.readline()))", "pytest-xdist workers"),
     ("torch.distributed.run", "torchrun (agents and ranks)"),
     ("/ray/", "Ray"),
-    ("pytest", "pytest main processes (the controller, and pytest run by a test)"),
+    ("tests/_ray_train.py", "Ray"),  # the Ray Train job's driver
+    (" -m pytest", "pytest main processes (the controller, and pytest run by a test)"),
 ]
 INHERITED = ("torchrun (agents and ranks)", "Ray")  # what a launcher starts is the launcher's
 
