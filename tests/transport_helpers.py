@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import dataclasses
+import gc
 import os
 import queue
 import time
@@ -286,6 +287,20 @@ def memfd_refs(pid):
     except (FileNotFoundError, ProcessLookupError):
         return []
     return refs
+
+
+def memfd_refs_now() -> set:
+    """This process's torchfeed arena references, once the collector has run:
+    what earlier tests in this pytest worker may still hold (a batch kept by a
+    fixture, or by garbage the collector had not reached).  A test checks that
+    it leaves none of its own: ``added_memfd_refs(before)``."""
+    gc.collect()
+    return set(memfd_refs(os.getpid()))
+
+
+def added_memfd_refs(before: set) -> list:
+    """This process's torchfeed arena references that ``before`` did not have."""
+    return sorted(set(memfd_refs(os.getpid())) - before)
 
 
 def alive(pid):
