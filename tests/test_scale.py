@@ -195,6 +195,10 @@ def test_persistent_workers_start_only_in_the_first_epoch():
     assert "starting workers" not in str(second)
 
 
+def slow_start(worker_id):
+    time.sleep(1.0)
+
+
 @pytest.mark.long
 @pytest.mark.timeout(120)
 def test_tune_says_when_starting_workers_dominates(capfd):
@@ -212,10 +216,6 @@ def test_tune_says_when_starting_workers_dominates(capfd):
     assert row.worker_start_s > 0 and row.worker_start_fraction >= 0.5, row
     assert any("persistent_workers=True" in n for n in result.notes), result.notes
     assert "persistent_workers=True" in capfd.readouterr().out
-
-
-def slow_start(worker_id):
-    time.sleep(1.0)
 
 
 # -- shuffling 10**8 samples -----------------------------------------------------------
