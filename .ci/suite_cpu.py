@@ -1,6 +1,6 @@
 """Where the test suite's CPU goes, process by process, orphans included.
 
-    python .ci/suite_cpu.py [COMMAND ...]    (default: python -m pytest -q -p no:cacheprovider)
+    python .ci/suite_cpu.py [--list KIND] [COMMAND ...]    (default COMMAND: python -m pytest -q -p no:cacheprovider)
 
 Runs COMMAND with the kernel's process accounting on (acct(2): root, or
 CAP_SYS_PACCT), which writes one record per process as it exits, whoever reaps
