@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 import transport_helpers as h
+from loader_helpers import ROOT
 from torch.utils.data import Dataset, IterableDataset
 
 import torchfeed
@@ -357,8 +358,7 @@ time.sleep(60)
 @pytest.mark.long
 @pytest.mark.timeout(90)
 def test_nothing_left_after_main_process_sigkill():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = LOADER_MAIN.format(root=root, tests=os.path.join(root, "tests"))
+    script = LOADER_MAIN.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
     pids, before, used = h.sigkill_main_process(script)
     assert h.wait_until(lambda: not any(h.alive(p) for p in pids), 10)
     assert all(h.memfd_refs(p) == [] for p in pids)
@@ -422,8 +422,8 @@ def kept_under_fd_limit():
     import subprocess
     import sys
 
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script = KEEP_UNDER_FD_LIMIT.format(root=os.path.dirname(tests), tests=tests)
+    tests = os.path.join(ROOT, "tests")
+    script = KEEP_UNDER_FD_LIMIT.format(root=ROOT, tests=tests)
     hows = ["torch-loader", "torch-transport", "shm"]
     run = subprocess.run([sys.executable, "-c", script, *hows], capture_output=True, text=True,
                          timeout=100, cwd=tests)
