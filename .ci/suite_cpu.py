@@ -32,6 +32,7 @@ RECORD = struct.Struct("<BBHIIIIIIf8H16s")  # struct acct_v3, 64 bytes
 AFORK = 0x01  # forked and never exec'd
 AHZ = 100     # the records' clock ticks per second
 PR_SET_CHILD_SUBREAPER = 36
+ACTIVE_ENV = "TORCHFEED_SUITE_CPU_ACTIVE"  # set for COMMAND: accounting is in use
 
 KINDS = [  # (text in the command line, kind), first match wins
     ("multiprocessing.spawn import spawn_main", "spawned workers"),
@@ -52,7 +53,8 @@ def comp_t(value: int) -> int:
 
 def read_records(path: str) -> list[dict]:
     records = []
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     for offset in range(0, len(data) - RECORD.size + 1, RECORD.size):
         (flag, version, _tty, _exit, _uid, _gid, pid, ppid, _btime, _etime,
          utime, stime, *_rest, comm) = RECORD.unpack_from(data, offset)
@@ -118,6 +120,8 @@ def kinds_of(records: list[dict], cmdlines: dict[int, str]) -> dict[int, str]:
     by_pid = {r["pid"]: r for r in records}
     kinds: dict[int, str] = {}
     for record in sorted(records, key=lambda r: r["pid"]):  # parents first, mostly
+        if record["pid"] in kinds:
+            continue  # named as an ancestor of an earlier one
         chain = [record]
         while chain[-1]["ppid"] in by_pid and chain[-1]["ppid"] not in kinds and len(chain) < 100:
             chain.append(by_pid[chain[-1]["ppid"]])
@@ -148,6 +152,11 @@ def reap_orphans(deadline: float) -> None:
 
 
 def main(command: list[str], listed: str | None = None) -> int:
+    if os.environ.get(ACTIVE_ENV):
+        # Accounting is one file for the whole machine: a nested run would
+        # take it from the outer one and end it for both.
+        raise SystemExit(f"{ACTIVE_ENV} is set: a suite_cpu.py run is counting already")
+    os.environ[ACTIVE_ENV] = "1"  # COMMAND inherits it
     libc = ctypes.CDLL(None, use_errno=True)
     with tempfile.NamedTemporaryFile(prefix="suite-acct-") as log:
         if libc.acct(log.name.encode()) != 0:
