@@ -11,12 +11,18 @@ a fork, cannot go unnoticed.
 from __future__ import annotations
 
 import contextlib
+import gc
+import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 
+import psutil
 import pytest
 from sample_datasets import SleepDataset
+from share_datasets import own_private_bytes
 
 import torchfeed
 import torchfeed._processes as _processes
@@ -81,6 +87,72 @@ def test_stats_read_memory_when_asked(readings):
     s = loader.stats()  # the worker lives: a fresh reading, on the caller's thread
     assert [on_main for on_main, _ in readings] == [True]
     assert s["workers"][0]["uss_bytes"] == readings[0][1][0]
+
+
+def _read_every_record(records, go, ready, release) -> None:
+    """Once this is the last process that maps ``records``' buffer, read all of
+    it (so each of its pages is mapped here only), then wait."""
+    assert go.wait(30)
+    assert all(len(r) == 4096 for r in records)
+    ready.set()
+    release.wait(50)
+
+
+def _psutil_uss(pid: int) -> int:
+    return psutil.Process(pid).memory_full_info().uss
+
+
+def _ours(pid: int) -> int:
+    [read] = costs.private_bytes([pid])
+    return read
+
+
+def _side_by_side(reference, pid: int) -> tuple[int, int]:
+    """(``reference(pid)``, our reading) taken while the reference stayed the same.
+
+    A process's private pages move while nothing runs in it: a page becomes
+    its own when the other process that mapped it writes its own copy (the
+    parent of a forked one) or lets go (an interpreter of this suite's that
+    ends), and shared when another one maps it."""
+    for _ in range(50):
+        before, read, after = reference(pid), _ours(pid), reference(pid)
+        if before == after:
+            return before, read
+    raise AssertionError(f"process {pid}'s private memory never held still")
+
+
+@pytest.mark.timeout(60)
+def test_a_reading_is_the_uss_less_the_shared_buffer_pages_only_that_process_touched():
+    """A reading is the worker's USS, less the pages of ``torchfeed.share``
+    buffers that only it maps: those are the one copy every process maps, not
+    the worker's own.  Both ways a reading is taken: a process that maps no
+    buffer (the kernel's sum, ``smaps_rollup``), against psutil's USS, and one
+    that has read a 32 MiB buffer no other process has touched (``smaps``,
+    mapping by mapping), against the tests' own reading of ``smaps``."""
+    plain = subprocess.Popen([sys.executable, "-c", "print('ready', flush=True); input()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    fork = multiprocessing.get_context("fork")
+    go, ready, release = fork.Event(), fork.Event(), fork.Event()
+    records = torchfeed.share([bytes([i % 251]) * 4096 for i in range(8192)])
+    reader = fork.Process(target=_read_every_record, args=(records, go, ready, release))
+    reader.start()
+    del records  # and with it this process's mapping of the buffer
+    gc.collect()
+    go.set()
+    try:
+        assert plain.stdout.readline() == "ready\n"  # and now waits on its input
+        uss, read = _side_by_side(_psutil_uss, plain.pid)
+        assert read == uss > 0, (read, uss)
+        assert ready.wait(30), "the reader did not read its records"
+        own, read = _side_by_side(own_private_bytes, reader.pid)
+        assert read == own, (read, own)
+        # The premise: the kernel counts the buffer's pages private to the reader.
+        assert _psutil_uss(reader.pid) - own > 30 * 2**20, (_psutil_uss(reader.pid), own)
+    finally:
+        release.set()
+        plain.communicate("\n", timeout=30)
+        reader.join(30)
+    assert reader.exitcode == 0 and plain.returncode == 0
 
 
 _watch: list | None = None  # while a list, each fork of this process notes ours in it

@@ -14,8 +14,8 @@ growth is checked every ``MEMORY_CHECK_EVERY`` seconds of iteration, and the
 warning is logged once per process.
 
 Reading a worker's USS makes the kernel walk every page the worker maps,
-inherited ones included: 11 ms for a worker of a process that imported
-torch, 26 ms once the parent holds a million small dicts, and more as the
+inherited ones included: 6 ms for a worker of a process that imported
+torch, 14 ms once the parent holds a million small dicts, and more as the
 parent's heap grows (``benchmarks/stats_overhead.py``), per worker.  So the
 periodic check reads in a ``MemoryReading`` thread, never on the training
 thread; the kernel's walk runs without the GIL.  That thread is
@@ -57,16 +57,35 @@ def private_bytes(pids) -> list:
 
 
 _PRIVATE = re.compile(rb"\nPrivate_(?:Clean|Dirty):\s+(\d+)")
+_SHARED_BUFFER_NAME = b"memfd:torchfeed-share"
 _SHARED_BUFFER = re.compile(rb"\n[0-9a-f]+-[0-9a-f]+ [^\n]*memfd:torchfeed-share[^\n]*(.*?)"
                             rb"(?=\n[0-9a-f]+-[0-9a-f]+ |\Z)", re.S)
 
 
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return b"\n" + f.read()
+
+
 def uss_without_shared_buffers(pid: int) -> int:
     """``pid``'s USS, less the pages of ``torchfeed.share`` buffers (memfds named
-    ``torchfeed-share``) that only it maps.  psutil's USS where there is no smaps."""
+    ``torchfeed-share``) that only it maps.  psutil's USS where there is no smaps.
+
+    Most processes map no such buffer: their USS comes from ``smaps_rollup``,
+    which the kernel sums in one walk of the page tables.  Only a process that
+    maps a buffer needs the full ``smaps``, a text block per mapping, which
+    took a reading from 6 to 9.5 ms for a worker of a process that imported
+    torch.  The mappings are looked at (``maps``, no page walk) before and
+    after the sum, so a buffer mapped meanwhile is never counted."""
     try:
-        with open(f"/proc/{pid}/smaps", "rb") as f:
-            smaps = b"\n" + f.read()
+        if _SHARED_BUFFER_NAME not in _read(f"/proc/{pid}/maps"):
+            try:
+                rollup = _read(f"/proc/{pid}/smaps_rollup")
+            except FileNotFoundError:
+                rollup = None  # before Linux 4.14: smaps only
+            if rollup is not None and _SHARED_BUFFER_NAME not in _read(f"/proc/{pid}/maps"):
+                return sum(int(kib) for kib in _PRIVATE.findall(rollup)) * 1024
+        smaps = _read(f"/proc/{pid}/smaps")
     except FileNotFoundError:
         if psutil.pid_exists(pid):
             return psutil.Process(pid).memory_full_info().uss
