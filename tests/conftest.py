@@ -29,8 +29,8 @@ imported a hundred modules or more, what it imported is frozen the same way.
 
 pytest rewrites each test module's asserts when it imports it (about 3.5 s of
 CPU for this suite) and keeps the result in ``__pycache__`` beside it, unless
-``PYTHONDONTWRITEBYTECODE`` is set, as it is on some CI images: then each of the
-six workers rewrote everything again at every run.  So the controller rewrites
+``PYTHONDONTWRITEBYTECODE`` is set, as it is on some CI images: then each
+worker rewrote everything again at every run.  So the controller rewrites
 them once, in a thread while the workers start, and writes them where pytest
 looks (``tests/__pycache__``, ignored by git); the workers only read them.
 For the same reason it compiles torchfeed and the tests' helper modules
