@@ -58,8 +58,8 @@ def private_bytes(pids) -> list:
 
 _PRIVATE = re.compile(rb"\nPrivate_(?:Clean|Dirty):\s+(\d+)")
 _SHARED_BUFFER_NAME = b"memfd:torchfeed-share"
-_SHARED_BUFFER = re.compile(rb"\n[0-9a-f]+-[0-9a-f]+ [^\n]*memfd:torchfeed-share[^\n]*(.*?)"
-                            rb"(?=\n[0-9a-f]+-[0-9a-f]+ |\Z)", re.S)
+_SHARED_BUFFER = re.compile(rb"\n[0-9a-f]+-[0-9a-f]+ [^\n]*" + re.escape(_SHARED_BUFFER_NAME)
+                            + rb"[^\n]*(.*?)(?=\n[0-9a-f]+-[0-9a-f]+ |\Z)", re.S)
 
 
 def _read(path: str) -> bytes:
@@ -67,33 +67,48 @@ def _read(path: str) -> bytes:
         return b"\n" + f.read()
 
 
+def _private_kib(text: bytes) -> int:
+    """The Private_Clean and Private_Dirty kibibytes of an smaps text (or part of one)."""
+    return sum(int(kib) for kib in _PRIVATE.findall(text))
+
+
 def uss_without_shared_buffers(pid: int) -> int:
     """``pid``'s USS, less the pages of ``torchfeed.share`` buffers (memfds named
-    ``torchfeed-share``) that only it maps.  psutil's USS where there is no smaps.
-
-    Most processes map no such buffer: their USS comes from ``smaps_rollup``,
-    which the kernel sums in one walk of the page tables.  Only a process that
-    maps a buffer needs the full ``smaps``, a text block per mapping, which
-    took a reading from 6 to 9.5 ms for a worker of a process that imported
-    torch.  The mappings are looked at (``maps``, no page walk) before and
-    after the sum, so a buffer mapped meanwhile is never counted."""
+    ``torchfeed-share``) that only it maps.  psutil's USS where there is no smaps."""
     try:
-        if _SHARED_BUFFER_NAME not in _read(f"/proc/{pid}/maps"):
-            try:
-                rollup = _read(f"/proc/{pid}/smaps_rollup")
-            except FileNotFoundError:
-                rollup = None  # before Linux 4.14: smaps only
-            if rollup is not None and _SHARED_BUFFER_NAME not in _read(f"/proc/{pid}/maps"):
-                return sum(int(kib) for kib in _PRIVATE.findall(rollup)) * 1024
+        uss = _rollup_uss(pid)
+        if uss is not None:
+            return uss
         smaps = _read(f"/proc/{pid}/smaps")
     except FileNotFoundError:
         if psutil.pid_exists(pid):
             return psutil.Process(pid).memory_full_info().uss
         raise psutil.NoSuchProcess(pid) from None
-    total = sum(int(kib) for kib in _PRIVATE.findall(smaps))
+    total = _private_kib(smaps)
     for buffer in _SHARED_BUFFER.finditer(smaps):
-        total -= sum(int(kib) for kib in _PRIVATE.findall(buffer.group(1)))
+        total -= _private_kib(buffer.group(1))
     return total * 1024
+
+
+def _rollup_uss(pid: int) -> int | None:
+    """``pid``'s USS from ``smaps_rollup``, or None where the full ``smaps`` is needed.
+
+    Most processes map no ``torchfeed.share`` buffer: for them the kernel's own
+    sum, in one walk of the page tables, is the answer.  The full ``smaps``, a
+    text block per mapping, took a reading from 6 to 9.5 ms for a worker of a
+    process that imported torch.  The mappings are looked at (``maps``, no page
+    walk) before and after the sum, so a buffer mapped meanwhile is never
+    counted.  A kernel before Linux 4.14 has no ``smaps_rollup``."""
+    maps = f"/proc/{pid}/maps"
+    if _SHARED_BUFFER_NAME in _read(maps):
+        return None
+    try:
+        rollup = _read(f"/proc/{pid}/smaps_rollup")
+    except FileNotFoundError:  # no rollup here, or the process is gone: smaps says which
+        return None
+    if _SHARED_BUFFER_NAME in _read(maps):
+        return None
+    return _private_kib(rollup) * 1024
 
 
 class MemoryReading:
