@@ -27,6 +27,22 @@ automatic full collection, then walks only what the tests made since.  Each
 one took about 0.1 s before, most of the fault tests' time.  After a test that
 imported a hundred modules or more, what it imported is frozen the same way.
 
+Each loader worker a test starts is a fork of its pytest worker, and the
+kernel copies that process's page tables at every fork and tears the copy down
+at every exit, some 2,300 times a run: about 150 MiB of anonymous memory right
+after collection, most of it torch's, one entry per 4 KiB page.  So after
+collection the worker asks the kernel to back that memory with 2 MiB pages
+(``madvise(MADV_COLLAPSE)``, Linux 6.1 on; a no-op elsewhere), one entry for
+512.  The pages and their contents stay the same, as does what a forked
+worker copies when it writes to one (4 KiB: the kernel splits the huge page in
+that process first); about 50 MiB of it stays huge for good (where the worker
+writes while children share the memory, the kernel splits it back).  A
+loader worker's fork and exit then cost about a third less, and side by side
+on 2 cores (2026-11-28, the README has the figures) the pytest workers and
+their forked loader workers spent 12 to 19% less CPU, and the suite 0 to 10%
+less time.  Only the tests' own processes do this, never torchfeed: a
+process that forks loaders in a test is as a user's would be.
+
 pytest rewrites each test module's asserts when it imports it (about 3.5 s of
 CPU for this suite) and keeps the result in ``__pycache__`` beside it, unless
 ``PYTHONDONTWRITEBYTECODE`` is set, as it is on some CI images: then each
@@ -40,6 +56,7 @@ again, 0.1 s apiece.
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import re
 import sys
@@ -49,6 +66,8 @@ from pathlib import Path
 _TESTS = Path(__file__).resolve().parent
 _preparing: list[threading.Thread] = []
 _frozen_with = [0]  # len(sys.modules) at the last gc.freeze()
+_HUGE_PAGE = 2 << 20
+_MADV_COLLAPSE = 25  # <linux/mman.h>; older kernels answer EINVAL
 
 
 def _rewrite_test_modules(config) -> None:
@@ -103,10 +122,34 @@ def pytest_unconfigure(config):
         thread.join()
 
 
+def _fork_from_huge_pages() -> None:
+    """This process's anonymous memory in 2 MiB pages, where the kernel can
+    (the docstring's fork paragraph); nothing where it cannot or is not Linux."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        with open("/proc/self/maps") as f:
+            regions = f.read().splitlines()
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for region in regions:
+        fields = region.split()
+        name = fields[5] if len(fields) > 5 else ""
+        if not fields[1].startswith("rw") or name not in ("", "[heap]"):
+            continue  # files' pages, stacks: not what the fork note is about
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        start, end = -(-low // _HUGE_PAGE) * _HUGE_PAGE, high // _HUGE_PAGE * _HUGE_PAGE
+        if end > start:
+            madvise(start, end - start, _MADV_COLLAPSE)  # a region it refuses stays as it was
+
+
 def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
     _frozen_with[0] = len(sys.modules)
+    _fork_from_huge_pages()
 
 
 def pytest_runtest_logfinish(nodeid, location):
