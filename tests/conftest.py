@@ -8,7 +8,14 @@ Workers take the next test as they come free, in collection order, so:
 * tests marked ``big_imports`` (they import Lightning, Accelerate, Hugging Face
   datasets or matplotlib into the test process, each 100 MiB or more) come last: every fork
   after them in that process (a loader's workers) copies their page tables,
-  which made each fork about 2.5 times as costly.
+  which made each fork about 2.5 times as costly;
+* tests marked ``waits`` (they mostly sleep: a worker stuck until a timeout
+  fires, workers kept busy by a slow dataset while the loader is dropped) are
+  dealt evenly through the rest, each test function's cases apart.  In
+  pytest's order their 32 cases came one after another, every worker reached
+  them at once, and the two cores sat idle: side by side on 2 cores
+  (2026-11-28), the cores were idle 18 to 22 core-seconds of a run with them
+  in order, most of it in those 20 s, and 8 to 13 with them dealt out.
 
 Everything else keeps pytest's order.  ``xdist_group`` marks keep tests that
 share a costly module-scoped fixture on one worker (``--dist loadgroup``); a
@@ -162,6 +169,23 @@ def pytest_runtest_logfinish(nodeid, location):
         _frozen_with[0] = len(sys.modules)
 
 
+def _spread_waiting(items: list) -> list:
+    """``items`` in their order, with the tests marked ``waits`` dealt evenly
+    through them: each test function's cases spread among the others' first,
+    so that no two of one function run side by side (the docstring's order)."""
+    waiting = [item for item in items if item.get_closest_marker("waits")]
+    others = [item for item in items if not item.get_closest_marker("waits")]
+    cases: dict = {}
+    for item in waiting:
+        cases.setdefault((item.path, item.originalname), []).append(item)
+    within = {item: (i + 0.5) / len(family)
+              for family in cases.values() for i, item in enumerate(family)}
+    waiting.sort(key=within.__getitem__)
+    place = {item: i / len(others) for i, item in enumerate(others)}
+    place.update({item: (i + 0.5) / len(waiting) for i, item in enumerate(waiting)})
+    return sorted(items, key=place.__getitem__)
+
+
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
         if item.get_closest_marker("long"):
@@ -169,3 +193,6 @@ def pytest_collection_modifyitems(config, items):
         return 2 if item.get_closest_marker("big_imports") else 1
 
     items.sort(key=rank)  # stable: pytest's order within each rank
+    middle = [i for i, item in enumerate(items) if rank(item) == 1]
+    if middle:
+        items[middle[0]:middle[-1] + 1] = _spread_waiting(items[middle[0]:middle[-1] + 1])

@@ -43,6 +43,7 @@ def _wait_gone(pids, since):
 CASES = [(how, c) for how in ("del-iterator", "break", "gc-cycle") for c in ALL_CONFIGS]
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("how,loader_config", CASES, indirect=["loader_config"],
                          ids=[f"{how}-{c.id}" for how, c in CASES])

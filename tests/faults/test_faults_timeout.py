@@ -15,6 +15,7 @@ from torchfeed import DataLoader
 TIMEOUT = 2
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("loader_config", ALL_CONFIGS, ids=lambda c: c.id, indirect=True)
 def test_stuck_worker_timeout_shows_its_stack(loader_config, tmp_path, no_pin_warning):
