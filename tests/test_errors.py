@@ -271,6 +271,7 @@ def test_spawn_with_unpicklable_collate_fn_names_it():
 
 
 # -- timeout ---------------------------------------------------------------------------------
+@pytest.mark.waits
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("timeout", [1, 0.5])
 def test_timeout_message_is_torchs(timeout):

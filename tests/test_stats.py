@@ -65,6 +65,7 @@ def consume(loader, seconds):
     return n, outside, time.perf_counter() - start
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fetch, step, expected", [
     # 2 workers make a pair of batches every 0.1 s; the loop needs 0.04 s of it.

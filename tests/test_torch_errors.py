@@ -311,6 +311,7 @@ def test_every_dead_worker_is_in_torchs_pid_list():
     assert re.fullmatch(EXITED_UNEXPECTEDLY, first)
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(60)
 def test_timeout_in_torchs_words():
     (theirs, _, _), (ours, _, _) = both(Faulty("sleep", at=1, n=4), batch_size=1,
