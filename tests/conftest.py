@@ -11,14 +11,14 @@ Workers take the next test as they come free, in collection order, so:
   which made each fork about 2.5 times as costly;
 * tests marked ``waits`` (they mostly sleep: a worker stuck until a timeout
   fires, workers kept busy by a slow dataset while the loader is dropped, the
-  stall clock's known timings; each spends a twentieth of its time or less on
-  a CPU) are dealt evenly through the rest, each test function's cases apart.
-  In pytest's order the 32 cases of the two fault tests among them came one
-  after another, every worker reached them at once, and the two cores sat
-  idle: side by side on 2 cores (2026-11-28), the cores were idle 18 to 22
-  core-seconds of a run with them in order, most of it in those 20 s, and 8
-  to 13 with them dealt out.  Dealt out by position, not by time: where the
-  tests around them are quick, a few still meet.
+  stall clock's known timings; each, with its children, spends a tenth of its
+  time or less on a CPU) are dealt evenly through the rest, each test
+  function's cases apart.  In pytest's order the 32 cases of the two fault
+  tests among them came one after another, every worker reached them at once,
+  and the two cores sat idle: side by side on 2 cores (2026-11-28), the
+  cores were idle 18 to 22 core-seconds of a run with them in order, most of
+  it in those 20 s, and 8 to 13 with them dealt out.  Dealt out by position,
+  not by time: where the tests around them are quick, a few still meet.
 
 Everything else keeps pytest's order.  ``xdist_group`` marks keep tests that
 share a costly module-scoped fixture on one worker (``--dist loadgroup``); a
