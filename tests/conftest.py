@@ -19,6 +19,7 @@ Workers take the next test as they come free, in collection order, so:
   cores were idle 18 to 22 core-seconds of a run with them in order, most of
   it in those 20 s, and 8 to 13 with them dealt out.  Dealt out by position,
   not by time: where the tests around them are quick, a few still meet.
+  ``tests/test_suite_order.py`` checks the dealing on the run's own items.
 
 Everything else keeps pytest's order.  ``xdist_group`` marks keep tests that
 share a costly module-scoped fixture on one worker (``--dist loadgroup``); a
@@ -176,8 +177,10 @@ def _spread_waiting(items: list) -> list:
     """``items`` in their order, with the tests marked ``waits`` dealt evenly
     through them: each test function's cases spread among the others' first,
     so that no two of one function run side by side (the docstring's order)."""
-    waiting = [item for item in items if item.get_closest_marker("waits")]
-    others = [item for item in items if not item.get_closest_marker("waits")]
+    waiting: list = []
+    others: list = []
+    for item in items:
+        (waiting if item.get_closest_marker("waits") else others).append(item)
     cases: dict = {}
     for item in waiting:
         cases.setdefault((item.path, item.originalname), []).append(item)
@@ -195,7 +198,7 @@ def pytest_collection_modifyitems(config, items):
             return 0
         return 2 if item.get_closest_marker("big_imports") else 1
 
-    items.sort(key=rank)  # stable: pytest's order within each rank
-    middle = [i for i, item in enumerate(items) if rank(item) == 1]
-    if middle:
-        items[middle[0]:middle[-1] + 1] = _spread_waiting(items[middle[0]:middle[-1] + 1])
+    ranked: list[list] = [[], [], []]  # each in pytest's order
+    for item in items:
+        ranked[rank(item)].append(item)
+    items[:] = ranked[0] + _spread_waiting(ranked[1]) + ranked[2]
