@@ -17,7 +17,9 @@ import os
 import pickle
 import re
 import select
+import shutil
 import signal
+import tempfile
 import time
 import traceback
 import warnings
@@ -190,6 +192,10 @@ def _torchs_once(dataset, kwargs):
     # status check, without the handler's sentence.  Import it here, before the fork.
     for _ in torch.utils.data.DataLoader(range(1)):
         pass
+    # torch's workers' fd sharer makes a /tmp/pymp-* directory in each, which a worker
+    # killed by torch's own shutdown (about one fork in five) leaves behind: here they
+    # go to a directory of this call's, removed with whatever the fork left running.
+    scratch = tempfile.mkdtemp(prefix="torchs-")
     r, w = os.pipe()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # 3.12: a fork while threads run
@@ -202,6 +208,7 @@ def _torchs_once(dataset, kwargs):
             # This process's garbage is not the fork's to finalize: a queue of an
             # earlier test may hold a lock that one of this process's threads had.
             gc.freeze()
+            tempfile.tempdir = scratch
             _run_torchs(w, dataset, kwargs)
         finally:
             os._exit(0)
@@ -216,6 +223,11 @@ def _torchs_once(dataset, kwargs):
             _exited(pid, within=1)
         os.killpg(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # a worker the fork left behind
+    except ProcessLookupError:
+        pass
+    shutil.rmtree(scratch, ignore_errors=True)
     if outcome is None:
         pytest.fail("torch's loader gave no outcome within 50 s in its child process; "
                     "its stacks are in the captured stderr")
