@@ -97,8 +97,8 @@ def _numpy_leaf(dtype, i):
         a["xy"] = rng.standard_normal((4, 2))
         a["ok"] = [True, False, True, i % 2 == 0]
         return a
-    if dt.kind == "M":
-        return np.arange(6).astype(dt).reshape(2, 3) + i
+    if dt.kind == "M":  # a bare int added to datetimes is deprecated from numpy 2.5
+        return np.arange(6).astype(dt).reshape(2, 3) + np.timedelta64(i, np.datetime_data(dt)[0])
     if dt.kind == "b":
         return rng.standard_normal((2, 3)) > 0
     if dt.kind == "c":
