@@ -7,9 +7,11 @@ import collections
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -205,8 +207,16 @@ def launch_in_own_session(cmd, timeout, env=None):
     """Run a launcher (torchrun and the like) in a session of its own and
     return ``(returncode, output)``: if it hangs or fails, the whole process
     group (its ranks and their workers) is killed with it.  ``env``: variables
-    to set on top of this process's environment."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    to set on top of this process's environment.
+
+    The job's temporary files go to a directory of its own (``TMPDIR``), removed
+    after it: what launchers and the processes they kill leave in /tmp (torchrun's
+    ``torchelastic_*`` logs, Ray's sessions, the ``pymp-*`` directory of each killed
+    worker's fd sharer) goes with it.  A short path: sockets live there, and an
+    AF_UNIX path has 107 bytes."""
+    scratch = tempfile.mkdtemp(prefix="tf-job-")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": scratch,
+           **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
     try:
@@ -219,6 +229,7 @@ def launch_in_own_session(cmd, timeout, env=None):
             os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a failed launch
         except ProcessLookupError:
             pass
+        shutil.rmtree(scratch, ignore_errors=True)
     return proc.returncode, output
 
 

@@ -7,9 +7,7 @@ the [test] extra installs them.
 """
 import importlib.util
 import json
-import shutil
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -285,16 +283,8 @@ def test_ray_train_keeps_torchfeed_and_resumes_exactly_after_a_failure(tmp_path)
     # would add ~140 MiB to this one, whose page tables every later fork would copy.
     if importlib.util.find_spec("ray") is None:
         pytest.skip("Ray Train is not installed (the [test] extra has it)")
-    # Ray's session files (/tmp/ray, 0.6 MB a run) and the /tmp/pymp-* directories of
-    # the processes it kills (torch's workers' fd sharer, two a run) go to a directory
-    # removed after the run.  A short one: Ray's sockets live in it (AF_UNIX: 107 bytes).
-    scratch = tempfile.mkdtemp(prefix="tf-ray-")
-    try:
-        code, output = _launch([sys.executable, str(HERE / "_ray_train.py"), str(tmp_path)],
-                               timeout=280, env={"CUDA_VISIBLE_DEVICES": "",  # CPU workers
-                                                 "TMPDIR": scratch})
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    code, output = _launch([sys.executable, str(HERE / "_ray_train.py"), str(tmp_path)],
+                           timeout=280, env={"CUDA_VISIBLE_DEVICES": ""})  # CPU workers
     fit = tmp_path / "fit.json"
     assert code == 0 and fit.exists(), output[-6000:]
     assert json.loads(fit.read_text()) == {"error": "None"}
