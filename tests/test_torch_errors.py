@@ -218,16 +218,16 @@ def _torchs_once(dataset, kwargs):
         outcome = _receive(r, deadline=time.monotonic() + 50)
     finally:
         os.close(r)
-    if not _exited(pid, within=10 if outcome else 0):
-        if outcome is None:
-            os.kill(pid, signal.SIGUSR1)  # its threads' stacks, to the captured stderr
-            _exited(pid, within=1)
-        os.killpg(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    exited = _exited(pid, within=10 if outcome else 0)
+    if not exited and outcome is None:
+        os.kill(pid, signal.SIGUSR1)  # its threads' stacks, to the captured stderr
+        exited = _exited(pid, within=1)
     try:
-        os.killpg(pid, signal.SIGKILL)  # a worker the fork left behind
+        os.killpg(pid, signal.SIGKILL)  # the fork if it still runs, and any worker it left
     except ProcessLookupError:
         pass
+    if not exited:
+        os.waitpid(pid, 0)
     shutil.rmtree(scratch, ignore_errors=True)
     if outcome is None:
         pytest.fail("torch's loader gave no outcome within 50 s in its child process; "
