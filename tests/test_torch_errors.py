@@ -10,6 +10,7 @@ torch's timeout error promptly, under every start method (it once hung at
 from __future__ import annotations
 
 import faulthandler
+import functools
 import gc
 import multiprocessing
 import multiprocessing.forkserver
@@ -187,12 +188,7 @@ def _torchs_once(dataset, kwargs):
     iterator: dropping them runs that shutdown), and is killed with its workers if it
     has not exited 10 s later.  A fork that never sends one has its stacks dumped to
     the captured stderr."""
-    # The first batch a process takes from any torch loader imports a profiler module
-    # (torch 2.13) inside a ``try`` that logs and swallows every Exception: a handler's
-    # error raised in there is lost, and torch then reports the worker only at its 5 s
-    # status check, without the handler's sentence.  Import it here, before the fork.
-    for _ in torch.utils.data.DataLoader(range(1)):
-        pass
+    _take_a_first_torch_batch()
     # torch's workers' fd sharer makes a /tmp/pymp-* directory in each, which a worker
     # killed by torch's own shutdown (about one fork in five) leaves behind: here they
     # go to a directory of this call's, removed with whatever the fork left running.
@@ -234,6 +230,17 @@ def _torchs_once(dataset, kwargs):
                     "its stacks are in the captured stderr")
     exc_type, message, batches, text = outcome
     return exc_type(message), [None] * batches, text
+
+
+@functools.cache
+def _take_a_first_torch_batch():
+    """The first batch a process takes from any torch loader imports a profiler module
+    (torch 2.13) inside a ``try`` that logs and swallows every Exception: a handler's
+    error raised in there is lost, and torch then reports the worker only at its 5 s
+    status check, without the handler's sentence.  So this process takes it, once,
+    before any fork does."""
+    for _ in torch.utils.data.DataLoader(range(1)):
+        pass
 
 
 def _run_torchs(fd, dataset, kwargs):
