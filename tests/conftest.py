@@ -46,13 +46,18 @@ collection the worker asks the kernel to back that memory with 2 MiB pages
 (``madvise(MADV_COLLAPSE)``, Linux 6.1 on; a no-op elsewhere), one entry for
 512.  The pages and their contents stay the same, as does what a forked
 worker copies when it writes to one (4 KiB: the kernel splits the huge page in
-that process first); about 50 MiB of it stays huge for good (where the worker
-writes while children share the memory, the kernel splits it back).  A
-loader worker's fork and exit then cost about a third less, and side by side
-on 2 cores (2026-11-28, the README has the figures) the pytest workers and
-their forked loader workers spent 12 to 19% less CPU, and the suite 0 to 10%
-less time.  Only the tests' own processes do this, never torchfeed: a
-process that forks loaders in a test is as a user's would be.
+that process first).  A loader worker's fork and exit then cost about a third
+less, and side by side on 2 cores (2026-11-28, the README has the figures)
+the pytest workers and their forked loader workers spent 12 to 19% less CPU,
+and the suite 0 to 10% less time.  Where the worker writes while children
+share the memory, the kernel splits the huge page back: within ten seconds
+only 40 to 65 MiB of the 170 were still huge.  So between tests, at most every
+``COLLAPSE_AGAIN_AFTER`` seconds, the worker asks again (in one run 25 to 56
+times per pytest process, 2.7 CPU-seconds in all).  Side by side, alternating, six pairs of runs
+took 289 and 281 CPU-seconds on average, less with it in five pairs; the
+machine's own speed moved more than that between pairs.  Only the tests' own
+processes do this, never torchfeed: a process that forks loaders in a test
+is as a user's would be.
 
 pytest rewrites each test module's asserts when it imports it (about 3.5 s of
 CPU for this suite) and keeps the result in ``__pycache__`` beside it, unless
@@ -72,6 +77,7 @@ import gc
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parent
@@ -79,6 +85,8 @@ _preparing: list[threading.Thread] = []
 _frozen_with = [0]  # len(sys.modules) at the last gc.freeze()
 _HUGE_PAGE = 2 << 20
 _MADV_COLLAPSE = 25  # <linux/mman.h>; older kernels answer EINVAL
+COLLAPSE_AGAIN_AFTER = 2.0  # seconds
+_collapsed_at = [0.0]  # time.monotonic() of the last collapse (none yet: 0, the controller)
 
 
 def _rewrite_test_modules(config) -> None:
@@ -154,6 +162,7 @@ def _fork_from_huge_pages() -> None:
         start, end = -(-low // _HUGE_PAGE) * _HUGE_PAGE, high // _HUGE_PAGE * _HUGE_PAGE
         if end > start:
             madvise(start, end - start, _MADV_COLLAPSE)  # a region it refuses stays as it was
+    _collapsed_at[0] = time.monotonic()
 
 
 def pytest_collection_finish(session):
@@ -171,6 +180,10 @@ def pytest_runtest_logfinish(nodeid, location):
         gc.collect()
         gc.freeze()
         _frozen_with[0] = len(sys.modules)
+    # The huge pages the tests' forks have split since (the docstring's fork
+    # paragraph), put back between tests, at most every COLLAPSE_AGAIN_AFTER s.
+    if _collapsed_at[0] and time.monotonic() - _collapsed_at[0] >= COLLAPSE_AGAIN_AFTER:
+        _fork_from_huge_pages()
 
 
 def _spread_waiting(items: list) -> list:
