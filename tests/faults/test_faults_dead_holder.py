@@ -114,34 +114,6 @@ def test_worker_dies_holding(scenario, monkeypatch, no_pin_warning):
 
 
 @pytest.mark.timeout(30)
-def test_a_worker_killed_on_torchs_transport_leaves_no_directory(tmp_path, monkeypatch):
-    """torch's transport passes descriptors from a socket each worker serves in
-    multiprocessing's temporary directory; worker 1 is killed with a batch's
-    descriptors still unfetched ("sent").  Its socket must lie in the main
-    process's directory, which that process's exit removes, and no directory
-    of its own may be left (torch's loader leaves one per killed worker).
-
-    The premise, made here: this process has no such directory yet (an earlier
-    test may have made one), and every one made lands in ``tmp_path``."""
-    import multiprocessing
-    import tempfile
-    config = multiprocessing.current_process()._config
-    monkeypatch.setitem(config, "tempdir", None)  # None: none made (put back after)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    arm(monkeypatch, "sent", 2)
-    loader = DataLoader(torch.utils.data.TensorDataset(torch.arange(float(SAMPLES))),
-                        batch_size=1, num_workers=2, transport="torch")
-    message, pid, _ = run_until_error(loader, 1)
-    assert f"Worker {HOOK_WORKER} (pid {pid}) was killed by signal SIGKILL (9)" in message
-    del loader
-    ours = config.get("tempdir")
-    made = sorted(p.name for p in tmp_path.iterdir())
-    assert ours is not None and made == [os.path.basename(ours)], made
-    assert any(p.name.startswith("listener-") for p in tmp_path.joinpath(made[0]).iterdir()), \
-        "worker 1's socket is not in the main process's directory: the premise failed"
-
-
-@pytest.mark.timeout(30)
 @pytest.mark.parametrize("primitive", ["stop-flag", "result-lock-written"])
 @pytest.mark.parametrize("then", ["next", "del"])
 def test_worker_dies_holding_while_the_iterator_is_idle(primitive, then, monkeypatch):

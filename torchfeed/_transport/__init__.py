@@ -187,26 +187,6 @@ class _IdentityUnpacker:
         self.closed = True
 
 
-def _hold_workers_sockets() -> None:
-    """Make multiprocessing's temporary directory in this process, before its
-    workers start, when torch's reductions pass descriptors.
-
-    Under the ``file_descriptor`` strategy a worker that sends a tensor serves
-    its descriptor from a socket in that directory, which multiprocessing
-    makes on first use and removes when the process that made it exits.  A
-    worker killed by a signal never removes one it made: each such death left
-    a ``pymp-*`` directory in ``/tmp``, as torch's own loader still does.  A
-    worker's ``Process`` copies this process's name for the directory when it
-    is created, so made here, the workers' sockets go into this process's
-    directory, which its own exit removes with whatever a dead worker left in
-    it (a worker that exits normally removes its own socket)."""
-    import multiprocessing.util
-
-    import torch.multiprocessing
-    if torch.multiprocessing.get_sharing_strategy() == "file_descriptor":
-        multiprocessing.util.get_temp_dir()
-
-
 class TorchChannel:
     """The escape hatch: batches travel through torch's own reductions."""
 
@@ -215,7 +195,6 @@ class TorchChannel:
     def __init__(self, num_workers: int):
         self.num_workers = num_workers
         self._unpacker: _IdentityUnpacker | None = None
-        _hold_workers_sockets()
 
     def packer(self, worker_id: int):
         return _IdentityPacker(worker_id)
