@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -95,9 +96,13 @@ def run_until_error(loader, epochs: int):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_worker_dies_holding(scenario, monkeypatch, no_pin_warning):
+def test_worker_dies_holding(scenario, monkeypatch, no_pin_warning, tmp_path):
     """Every primitive in turn (one loop, so the leak check runs once for all)."""
     s = SCENARIOS[scenario]
+    # "sent": worker 1 dies serving a batch's descriptors from a socket in a
+    # pymp-* directory of its own, which a killed process never removes (torch's
+    # workers leave the same): let it be made under this test's tmp_path.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     if s["pin"]:
         monkeypatch.setenv("TORCHFEED_PIN_THREAD_WITHOUT_ACCELERATOR", "1")
     for primitive, options in PRIMITIVES.items():
