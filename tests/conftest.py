@@ -53,11 +53,11 @@ and the suite 0 to 10% less time.  Where the worker writes while children
 share the memory, the kernel splits the huge page back: within ten seconds
 only 40 to 65 MiB of the 170 were still huge.  So between tests, at most every
 ``COLLAPSE_AGAIN_AFTER`` seconds, the worker asks again (in one run 25 to 56
-times per pytest process, 2.7 CPU-seconds in all).  Side by side, alternating, six pairs of runs
-took 289 and 281 CPU-seconds on average, less with it in five pairs; the
-machine's own speed moved more than that between pairs.  Only the tests' own
-processes do this, never torchfeed: a process that forks loaders in a test
-is as a user's would be.
+times per pytest process, 2.7 CPU-seconds in all).  Side by side,
+alternating, six pairs of runs took 289 and 281 CPU-seconds on average, less
+with it in five pairs; the machine's own speed moved more than that between
+pairs.  Only the tests' own processes do this, never torchfeed: a process
+that forks loaders in a test is as a user's would be.
 
 pytest rewrites each test module's asserts when it imports it (about 3.5 s of
 CPU for this suite) and keeps the result in ``__pycache__`` beside it, unless
