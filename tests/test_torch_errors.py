@@ -210,26 +210,34 @@ def _torchs_once(dataset, kwargs):
         finally:
             os._exit(0)
     os.close(w)
+    outcome = None
     try:
         outcome = _receive(r, deadline=time.monotonic() + 50)
-    finally:
+    finally:  # also when the wait is cut short (pytest-timeout, Ctrl-C)
         os.close(r)
-    exited = _exited(pid, within=10 if outcome else 0)
-    if not exited and outcome is None:
-        os.kill(pid, signal.SIGUSR1)  # its threads' stacks, to the captured stderr
-        exited = _exited(pid, within=1)
-    try:
-        os.killpg(pid, signal.SIGKILL)  # the fork if it still runs, and any worker it left
-    except ProcessLookupError:
-        pass
-    if not exited:
-        os.waitpid(pid, 0)
-    shutil.rmtree(scratch, ignore_errors=True)
+        _end_fork(pid, scratch, outcome_came=outcome is not None)
     if outcome is None:
         pytest.fail("torch's loader gave no outcome within 50 s in its child process; "
                     "its stacks are in the captured stderr")
     exc_type, message, batches, text = outcome
     return exc_type(message), [None] * batches, text
+
+
+def _end_fork(pid, scratch, outcome_came):
+    """Reap ``_torchs_once``'s fork, given 10 s to exit after sending its outcome,
+    else its stacks dumped; then kill its group (the fork if it still runs, and any
+    worker it left) and remove its scratch directory."""
+    exited = _exited(pid, within=10 if outcome_came else 0)
+    if not exited and not outcome_came:
+        os.kill(pid, signal.SIGUSR1)  # its threads' stacks, to the captured stderr
+        exited = _exited(pid, within=1)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if not exited:
+        os.waitpid(pid, 0)
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 @functools.cache
