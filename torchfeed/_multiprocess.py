@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from . import _worker_tempdir
 from ._device import DeviceFeedThread, hand_over, resolve_device
 from ._errors import WorkerFailure, describe_dead_worker
 from ._ipc import WAIT_SLICE, close_queue
@@ -110,7 +111,9 @@ class MultiProcessIterator(BaseIterator):
             worker_init_fn=loader.worker_init_fn, num_workers=self._num_workers,
             epoch=self._epoch, seed_per_batch=getattr(loader, "seed_per_batch", False),
             main_pid=os.getpid(), stopping=StopFlag(ctx), resume_states=self._stream.resume_states,
-            ships_state=self._stream.ships_state, shared_seed=self._stream.shared_seed)
+            ships_state=self._stream.ships_state, shared_seed=self._stream.shared_seed,
+            # the last argument: nothing evaluated after it can fail and leave it behind
+            temp_dir=_worker_tempdir.make() if _worker_tempdir.wanted(self._channel) else None)
         self._spec = spec
         _live_iterators.add(self)
         try:
@@ -407,6 +410,7 @@ class MultiProcessIterator(BaseIterator):
                 stack_pipe.close()
             close_queue(self._result_queue)
             self._unpacker.close()
+            _worker_tempdir.remove(self._spec.temp_dir)  # the workers are gone, killed ones too
             _live_iterators.discard(self)
 
     def __del__(self) -> None:

@@ -67,7 +67,7 @@ import time
 import warnings
 import weakref
 
-from . import _fault_hook
+from . import _fault_hook, _worker_tempdir
 from ._ipc import IndexQueue
 from ._pickling import describe_unpicklable
 from ._stack_dump import StackPipe
@@ -128,6 +128,7 @@ def launch_worker(ctx, spec: WorkerSpec, worker_id: int, result_queue, channel):
                                           "enable_gc": gc_enabled and method == "fork",
                                           "launched_at": launched_at},
                                   daemon=True)
+            _worker_tempdir.hand_to(process, spec.temp_dir)
             if method == "fork":
                 gc.disable()
             preloaded = _preload_forkserver(spec.dataset) if method == "forkserver" else None

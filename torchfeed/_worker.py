@@ -44,7 +44,7 @@ import psutil
 import torch
 import torch.utils.data._utils.worker as _torch_worker
 
-from . import _fault_hook, _seeding, _stack_dump
+from . import _fault_hook, _seeding, _stack_dump, _worker_tempdir
 from ._datapipes import seed_graph, shard_graph
 from ._errors import WorkerFailure, add_note
 from ._fetch import create_fetcher
@@ -79,6 +79,8 @@ class WorkerSpec:
     resume_states: list[WorkerResume] | None = None
     ships_state: bool = False  # send the (dataset, iterator) state with every batch
     shared_seed: int | None = None  # an IterDataPipe's (_datapipes.py)
+    # multiprocessing's temporary folder for this iterator's workers (_worker_tempdir.py)
+    temp_dir: str | None = None
 
 
 def _main_process_alive(main_pid: int, parent_pid: int) -> bool:
@@ -93,11 +95,14 @@ def _main_process_alive(main_pid: int, parent_pid: int) -> bool:
     return True
 
 
-def _watch_main_process(main_pid: int, parent_pid: int) -> None:
+def _watch_main_process(main_pid: int, parent_pid: int, temp_dir: str | None,
+                        temp_dir_at_start: str | None) -> None:
     while _main_process_alive(main_pid, parent_pid):
         time.sleep(POLL_INTERVAL)
     # The main process is gone: nobody will read what we produce, and user
-    # code may be busy for a long time.  Leave now.
+    # code may be busy for a long time.  Leave now, with nothing left in /tmp
+    # (os._exit skips multiprocessing's own cleanup; the main process cannot).
+    _worker_tempdir.leave(temp_dir, temp_dir_at_start, exiting_now=True)
     os._exit(0)
 
 
@@ -187,7 +192,8 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     _enable_crash_traces()  # a segfault prints the worker's Python stack to stderr
     _stack_dump.install(stack_pipe)  # the main asks for our stacks when it times out
     parent_pid = os.getppid()
-    threading.Thread(target=_watch_main_process, args=(spec.main_pid, parent_pid),
+    threading.Thread(target=_watch_main_process,
+                     args=(spec.main_pid, parent_pid, spec.temp_dir, _worker_tempdir.in_use()),
                      name="torchfeed-watchdog", daemon=True).start()
     # Nobody else reads the result queue in a worker; holding its read end open
     # would keep a dead main process's pipe alive.  Then a write that fails
@@ -293,6 +299,8 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     except Stopped:
         pass  # stopped while waiting for the write lock, which a dead worker may hold
     finally:
+        if not _main_process_alive(spec.main_pid, parent_pid):
+            _worker_tempdir.leave(spec.temp_dir, None, exiting_now=False)  # nobody else will
         result_queue.close()
         if spec.stopping.is_set():
             # The main process reads nothing more, and the feeder may wait
