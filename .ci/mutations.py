@@ -115,6 +115,15 @@ MUTATIONS = (
         "        return\n",
         ("tests/test_shutdown.py::test_deleting_a_persistent_loader_needs_no_garbage_collector",)),
     Mutation(
+        "temp-folder-left", "shutdown: multiprocessing's folder of a killed worker or a "
+        "SIGKILLed main process is left in /tmp",
+        "torchfeed/_worker_tempdir.py",
+        "    if folder is not None:\n        shutil.rmtree(folder, ignore_errors=True)\n",
+        "    return\n",
+        ("tests/faults/test_faults_dead_holder.py::test_worker_dies_holding[fresh]",
+         "tests/test_transport_loader.py::test_nothing_left_after_main_process_sigkill"),
+        each=True),
+    Mutation(
         "slot-reused-while-held",
         "integrity: a worker writes into a slot whose batch the main process holds",
         "torchfeed/_transport/_slots.py",

@@ -344,25 +344,41 @@ def test_pin_memory_pins_and_frees_slots_early_or_behaves_as_torch_without_an_ac
 
 
 LOADER_MAIN = """
-import sys, time
+import glob, os, sys, tempfile, time
 sys.path[:0] = [{root!r}, {tests!r}]
 import torchfeed
-from test_transport_loader import Images
+from test_transport_loader import Images, RequiresGrad
 it = iter(torchfeed.DataLoader(Images(n=64, size=64), batch_size=4, num_workers=2))
 held = [next(it) for _ in range(5)]
-print(" ".join(str(w.pid) for w in it._workers), flush=True)
+# A worker that sends tensors torch's way serves their file descriptors from a
+# socket in multiprocessing's temporary folder (pymp-*): on torch's transport
+# the iterator's own folder, and for a tensor the slots cannot carry (one that
+# requires grad) one the worker made. The premise: both are there, in use,
+# when the main process dies.
+torchs = iter(torchfeed.DataLoader(Images(n=16, size=8), batch_size=4, num_workers=1,
+                                   transport="torch"))
+graded = iter(torchfeed.DataLoader(RequiresGrad(), batch_size=None, num_workers=1))
+held += [next(torchs), next(torchs), next(graded), next(graded)]
+listening = [d for d in glob.glob(os.path.join(tempfile.gettempdir(), "pymp-*"))
+             if any(f.startswith("listener-") for f in os.listdir(d))]
+assert len(listening) == 2, listening
+print(" ".join(str(w.pid) for w in it._workers + torchs._workers + graded._workers), flush=True)
 time.sleep(60)
 """
 
 
 @pytest.mark.long
 @pytest.mark.timeout(90)
-def test_nothing_left_after_main_process_sigkill():
+def test_nothing_left_after_main_process_sigkill(tmp_path):
+    """Neither shared memory nor multiprocessing's folder, which the workers,
+    left on their own, remove only when they exit normally (TMPDIR: the test's
+    tmp_path, where nothing else is made)."""
     script = LOADER_MAIN.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
-    pids, before, used = h.sigkill_main_process(script)
+    pids, before, used = h.sigkill_main_process(script, env={"TMPDIR": str(tmp_path)})
     assert h.wait_until(lambda: not any(h.alive(p) for p in pids), 10)
     assert all(h.memfd_refs(p) == [] for p in pids)
     assert h.leftover_shm(before, pids, used) == set()
+    assert list(tmp_path.glob("pymp-*")) == []
 
 
 KEEP_UNDER_FD_LIMIT = """
@@ -401,6 +417,16 @@ for how in sys.argv[1:]:
     gc.collect()
     print(json.dumps(result), flush=True)
 """
+
+
+class RequiresGrad(Dataset):
+    """Samples the shared-memory slots cannot carry: they go torch's way."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.full((4,), float(i), requires_grad=True)
 
 
 class Numbers(Dataset):

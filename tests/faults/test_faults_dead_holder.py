@@ -99,9 +99,10 @@ def run_until_error(loader, epochs: int):
 def test_worker_dies_holding(scenario, monkeypatch, no_pin_warning, tmp_path):
     """Every primitive in turn (one loop, so the leak check runs once for all)."""
     s = SCENARIOS[scenario]
-    # "sent": worker 1 dies serving a batch's descriptors from a socket in a
-    # pymp-* directory of its own, which a killed process never removes (torch's
-    # workers leave the same): let it be made under this test's tmp_path.
+    # "sent": worker 1 dies serving a batch's descriptors from a socket in
+    # multiprocessing's temporary folder (pymp-*), which a killed worker never
+    # removes (torch's workers leave theirs): the iterator's folder goes with
+    # it. Made under this test's tmp_path, where nothing else is.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     if s["pin"]:
         monkeypatch.setenv("TORCHFEED_PIN_THREAD_WITHOUT_ACCELERATOR", "1")
@@ -116,6 +117,7 @@ def test_worker_dies_holding(scenario, monkeypatch, no_pin_warning, tmp_path):
             f"{primitive}: {message}"
         assert elapsed < SURFACE_WITHIN, f"{primitive}: the error took {elapsed:.1f} s"
         del loader
+        assert list(tmp_path.glob("pymp-*")) == [], primitive
 
 
 @pytest.mark.timeout(30)
