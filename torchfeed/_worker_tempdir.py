@@ -59,9 +59,11 @@ def make() -> str | None:
 
 
 def hand_to(process, folder: str | None) -> None:
-    """Name ``folder`` as the temporary folder of ``process``, not yet started."""
-    if folder is not None:
-        process._config["tempdir"] = folder
+    """Name ``folder`` as the temporary folder of ``process``, not yet started
+    (a process class of a context that keeps no such settings is left as it is)."""
+    config = getattr(process, "_config", None)
+    if folder is not None and isinstance(config, dict):
+        config["tempdir"] = folder
 
 
 def in_use() -> str | None:
