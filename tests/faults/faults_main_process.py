@@ -20,6 +20,7 @@ child leaves by the interpreter's own exit path, as the script does (an
 uncaught KeyboardInterrupt's traceback, atexit hooks, multiprocessing's
 clean-up, SIGINT's exit status), but costs a fork instead of an import of torch.
 """
+import faulthandler
 import os
 import signal
 import sys
@@ -35,6 +36,8 @@ from torchfeed import DataLoader  # noqa: E402
 
 
 def run(kind: str, persistent: bool, pin: bool, action: str, report) -> None:
+    # A test that gives up waiting for this process to end asks for its stacks.
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
     warnings.filterwarnings("ignore", message=".*no accelerator is found.*")
     if pin:
         os.environ["TORCHFEED_PIN_THREAD_WITHOUT_ACCELERATOR"] = "1"

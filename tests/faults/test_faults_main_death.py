@@ -85,6 +85,18 @@ class _Main:
             time.sleep(0.02)
         return float("inf")
 
+    def stuck(self, took: float) -> str:
+        """After ``wait_all_gone`` gave up (``took`` is inf): who still runs. The
+        main process, if it does, first writes its threads' stacks to its stderr."""
+        if took != float("inf"):
+            return ""
+        main = not self._main_exited() and not _gone(self.pid)
+        if main:
+            os.kill(self.pid, signal.SIGUSR1)
+            time.sleep(0.5)
+        workers = [pid for pid in self.workers if not _gone(pid)]
+        return f"; still running: main process {main}, workers {workers}"
+
     def _cleanup_workers(self):
         for pid in self.workers:  # never leave a worker behind, even on failure
             if not _gone(pid):
@@ -292,9 +304,10 @@ def test_main_process_sigkill_leaves_nothing(config, tmp_path):
     script = start_main(config, "sigkill", tmp_path)
     died = time.time()
     took = script.wait_all_gone(died)
+    stuck = script.stuck(took)
     code, err = script.finish()
     assert code == -signal.SIGKILL, (code, err)
-    assert took < SURFACE_WITHIN, f"workers outlived the main process by {took:.1f} s"
+    assert took < SURFACE_WITHIN, f"workers outlived the main process by {took:.1f} s{stuck}"
     assert "Traceback" not in err, err
     # Another test run on the machine (pytest-xdist's other workers, say) may
     # make entries meanwhile: only those of this main process and its workers count.
@@ -311,8 +324,9 @@ def test_ctrl_c_exits_cleanly(config, script_server, tmp_path):
     sent = time.time()
     os.killpg(script.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     took = script.wait_all_gone(sent)
+    stuck = script.stuck(took)
     code, err = script.finish()
-    assert took < SURFACE_WITHIN, f"exit took {took:.1f} s"
+    assert took < SURFACE_WITHIN, f"exit took {took:.1f} s{stuck}\n{err[-6000:]}"
     assert code in (-signal.SIGINT, 1), (code, err)
     # One clear error: the main process's KeyboardInterrupt, nothing from workers.
     assert err.count("Traceback (most recent call last)") == 1, err
@@ -332,7 +346,8 @@ def test_sigterm_exits_cleanly(config, target, tmp_path):
     else:
         os.killpg(script.pid, signal.SIGTERM)
     took = script.wait_all_gone(sent)
+    stuck = script.stuck(took)
     code, err = script.finish()
     assert code == -signal.SIGTERM, (code, err)
-    assert took < SURFACE_WITHIN, f"exit took {took:.1f} s"
+    assert took < SURFACE_WITHIN, f"exit took {took:.1f} s{stuck}"
     assert "Traceback" not in err, err
