@@ -196,17 +196,19 @@ def test_persistent_workers_start_only_in_the_first_epoch():
 
 
 def slow_start(worker_id):
-    time.sleep(1.0)
+    time.sleep(2.0)
 
 
 @pytest.mark.long
 @pytest.mark.timeout(120)
 def test_tune_says_when_starting_workers_dominates(capfd):
-    # A worker that takes a second to start (its worker_init_fn sleeps, as a
+    # A worker that takes two seconds to start (its worker_init_fn sleeps, as a
     # slow import would) against an epoch of two tiny samples: starting
-    # dominates on any machine.  Forked, not spawned: the tuner reads the start
-    # from stats() whatever the start method, and each spawned worker would
-    # cost seconds of CPU importing torch.
+    # dominates on any machine.  The rest of the run is the timed loop's few
+    # tiny batches, which a loaded machine can stretch by a second (the suite's
+    # other workers, all at once): two seconds keeps the start above half the run.
+    # Forked, not spawned: the tuner reads the start from stats() whatever the
+    # start method, and each spawned worker would cost seconds of CPU importing torch.
     loader = torchfeed.DataLoader(scale_datasets.ImportProbe(), batch_size=1, num_workers=1,
                                   multiprocessing_context="fork", worker_init_fn=slow_start)
     result = torchfeed.tune(loader, seconds=0.5, max_workers=1, prefetch_factors=(2,),
