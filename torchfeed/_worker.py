@@ -102,7 +102,7 @@ def _watch_main_process(main_pid: int, parent_pid: int, temp_dir: str | None,
     # The main process is gone: nobody will read what we produce, and user
     # code may be busy for a long time.  Leave now, with nothing left in /tmp
     # (os._exit skips multiprocessing's own cleanup; the main process cannot).
-    _worker_tempdir.leave(temp_dir, temp_dir_at_start, exiting_now=True)
+    _worker_tempdir.leave(temp_dir, temp_dir_at_start)
     os._exit(0)
 
 
@@ -300,7 +300,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
         pass  # stopped while waiting for the write lock, which a dead worker may hold
     finally:
         if not _main_process_alive(spec.main_pid, parent_pid):
-            _worker_tempdir.leave(spec.temp_dir, None, exiting_now=False)  # nobody else will
+            _worker_tempdir.remove(spec.temp_dir)  # nobody else will (_worker_tempdir.leave)
         result_queue.close()
         if spec.stopping.is_set():
             # The main process reads nothing more, and the feeder may wait

@@ -71,15 +71,15 @@ def in_use() -> str | None:
     return multiprocessing.current_process()._config.get("tempdir")  # type: ignore[attr-defined]
 
 
-def leave(given: str | None, at_start: str | None, exiting_now: bool) -> None:
-    """A worker whose main process is gone: remove the iterator's folder
-    (``given``), and, when it ends with ``os._exit`` (``exiting_now``), the
-    one it made itself (any but ``at_start``, what it had when it started).
-    A worker that returns normally leaves the latter to multiprocessing, which
-    would complain of a folder already gone."""
+def leave(given: str | None, at_start: str | None) -> None:
+    """A worker whose main process is gone, about to end with ``os._exit``:
+    remove the iterator's folder (``given``) and the one it made itself (any
+    but ``at_start``, what it had when it started; the iterator's, if given).
+    A worker that returns normally removes only ``given``: multiprocessing
+    removes the other, and would complain of a folder already gone."""
     remove(given)
     made = in_use()
-    if exiting_now and made is not None and made not in (at_start, given):
+    if made is not None and made != at_start:
         remove(made)
 
 
