@@ -117,7 +117,14 @@ def main(out: Path) -> None:
     os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
     os.environ.setdefault("RAY_enable_metrics_collection", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # The two workers need a CPU each; Ray prestarts one idle worker process per CPU.
+    # Nor does it use the task events that feed Ray's state API and dashboard, nor
+    # the idle worker processes Ray prestarts, one per CPU (in its logs each worker
+    # process of the job hosted an actor; the two prestarted ones hosted nothing):
+    # 3 to 5 of the job's 47 CPU-seconds, alternating runs on 2 cores (2026-11-28).
+    os.environ.setdefault("RAY_task_events_report_interval_ms", "0")
+    os.environ.setdefault("RAY_event_stats", "0")
+    os.environ.setdefault("RAY_enable_worker_prestart", "0")
+    # The two workers need a CPU each.
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         trainer = ray.train.torch.TorchTrainer(
