@@ -109,6 +109,18 @@ MUTATIONS = (
         "",
         (f"{MAIN_DEATH}::test_ctrl_c_exits_cleanly[map-fresh]",)),
     Mutation(
+        "ctrl-c-dropped-in-release",
+        "shutdown: a Ctrl-C landing in a batch's release is dropped, and the slot with it",
+        "torchfeed/_transport/_unpacker.py",
+        "                if states[idx] == IN_FLIGHT:\n"
+        "                    states[idx] = FREE  # its pages as they are: a worker's write fills a hole\n"
+        "                if not isinstance(exc, KeyboardInterrupt):\n"
+        "                    raise\n"
+        "                _dropped_ctrl_c.keep()\n",
+        "                raise\n",
+        ("tests/test_shutdown.py::"
+         "test_ctrl_c_while_a_batch_is_released_is_raised_and_its_slot_goes_back",)),
+    Mutation(
         "no-shutdown", "shutdown: an iterator never stops its workers",
         "torchfeed/_multiprocess.py",
         "        if self.shut_down:\n            return\n",

@@ -17,6 +17,7 @@ from time import perf_counter
 
 from torch.utils.data import IterableDataset
 
+from . import _dropped_ctrl_c
 from ._datapipes import seed_graph
 from ._index_stream import IndexStream
 from ._resume_book import ResumeBook
@@ -143,6 +144,7 @@ class BaseIterator:
         raise NotImplementedError
 
     def __next__(self):
+        _dropped_ctrl_c.raise_if_kept()  # NOTE [ Ctrl-C in a release ]
         t0 = perf_counter()
         try:
             while self._stream.reread:  # a resumed IterableDataset without state

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import _dropped_ctrl_c
 from . import _arena, _layout, _page_lock, _slots
 from ._packer import Inline, Plain, ShmFallbackWarning
 
@@ -152,10 +153,10 @@ class Unpacker:
 
     def _release_fn(self, w, states, idx, cap):
         me = weakref.ref(self)
-        FREE, COLD = _slots.FREE, _slots.COLD
+        FREE, COLD, IN_FLIGHT = _slots.FREE, _slots.COLD, _slots.IN_FLIGHT
         warm = _slots.warm_bytes(cap)
 
-        def release(_ref):
+        def give_back():
             self_ = me()
             if self_ is not None:
                 self_.count_in_use(-1, -cap)
@@ -174,6 +175,27 @@ class Unpacker:
                     states[idx] = COLD
                     return
             states[idx] = FREE
+
+        def release(_ref):
+            # NOTE [ Ctrl-C in a release ]: this runs in whatever thread drops the
+            # batch, mostly the main thread, where a Ctrl-C raises KeyboardInterrupt
+            # at the next function call, here too.  CPython drops an exception
+            # raised in a weakref callback (it prints "Exception ignored in"), so
+            # the slot stayed in flight, its worker waited for it, and the Ctrl-C
+            # was lost with it: the loop hung where torch's stops.  The state byte
+            # is written last in give_back, with no call after it, so a slot still
+            # in flight here was not handed back: no worker can have taken it again.
+            # The Ctrl-C is kept for the main thread's next __next__ (_dropped_ctrl_c).
+            # Still open: one that lands on this function's first line, before
+            # the try, is dropped with the whole release.
+            try:
+                give_back()
+            except BaseException as exc:
+                if states[idx] == IN_FLIGHT:
+                    states[idx] = FREE  # its pages as they are: a worker's write fills a hole
+                if not isinstance(exc, KeyboardInterrupt):
+                    raise
+                _dropped_ctrl_c.keep()
         return release
 
     def trim(self) -> None:
@@ -351,13 +373,16 @@ def _punch(unpacker: Unpacker, entry, states, idx) -> bool:
 
 def _punch_on_release(shared_map, key, unpacker=None, cap=0):
     def release(_ref):
-        _HELD_AFTER_CLOSE.pop(key, None)
-        self_ = unpacker() if unpacker is not None else None
-        if self_ is not None:
-            self_.count_in_use(-1, -cap)
         try:
-            _page_lock.unregister(shared_map)
-            shared_map.remove()
-        except Exception:  # noqa: BLE001 - the pages go back with the process anyway
-            pass
+            _HELD_AFTER_CLOSE.pop(key, None)
+            self_ = unpacker() if unpacker is not None else None
+            if self_ is not None:
+                self_.count_in_use(-1, -cap)
+            try:
+                _page_lock.unregister(shared_map)
+                shared_map.remove()
+            except Exception:  # noqa: BLE001 - the pages go back with the process anyway
+                pass
+        except KeyboardInterrupt:  # NOTE [ Ctrl-C in a release ]: the slot's arena is closed
+            _dropped_ctrl_c.keep()
     return release
