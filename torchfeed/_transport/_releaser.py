@@ -53,7 +53,12 @@ class Releaser:
     def __init__(self, locked_bytes: Callable[[int], int] = lambda addr: 0) -> None:
         self._locked_bytes = locked_bytes  # address -> bytes page-locked there (for warnings)
         self.leaked = [0, 0]  # slots (count, bytes) kept from their workers: no fence proven
-        self._cond = threading.Condition()
+        # Entered as ``with self._lock``, never ``with self._cond``: a lock's __enter__ is
+        # C, so a Ctrl-C cannot land between taking it and the ``with`` holding it, as
+        # it can in Condition.__enter__ (Python code), leaving it held for good; defer()
+        # runs in weakref callbacks in the main thread (NOTE [ Ctrl-C in a release ]).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._jobs: list[_Job] = []
         self._pending = 0  # queued or in a round not yet finished
         self._thread: threading.Thread | None = None
@@ -77,14 +82,14 @@ class Releaser:
         """Run ``fn()`` in the releaser's thread once no copy can read the slot at ``addr``."""
         events = getattr(self._local, "events", None)
         event = events.get(addr) if events else None
-        with self._cond:
+        with self._lock:
             self._jobs.append(_Job(fn, event, addr))
             self._pending += 1
             self._start_thread()
             self._cond.notify_all()
 
     def _start_thread(self) -> None:
-        """Start the thread if it is needed and allowed; with ``_cond`` held. A
+        """Start the thread if it is needed and allowed; with ``_lock`` held. A
         start that fails (``can't start new thread`` under a pids limit) leaves
         the jobs queued, for the next ``defer`` or the next ``quiesce``."""
         if self._thread is not None or self._held or not self._jobs:
@@ -110,7 +115,7 @@ class Releaser:
     def drain(self, timeout: float = 30.0) -> bool:
         """Wait until every queued function ran (or was dropped, its fence
         unprovable); False on timeout."""
-        with self._cond:
+        with self._lock:
             self._start_thread()  # after a failed start
             return self._cond.wait_for(lambda: self._pending == 0, timeout)
 
@@ -123,7 +128,7 @@ class Releaser:
         ever in the child).  The wait is for copies already queued on the GPU,
         once per worker start, never per batch.  Where no thread runs and
         jobs are queued (its start failed), they run here, in the caller."""
-        with self._cond:
+        with self._lock:
             thread = self._thread
             if thread is None and not self._jobs:
                 return
@@ -145,20 +150,20 @@ class Releaser:
     def no_thread(self, timeout: float = 30.0):
         """For a fork: the thread ended (``quiesce``), and none started until the
         block ends; releases deferred meanwhile wait for the block's end."""
-        with self._cond:
+        with self._lock:
             self._held += 1
         try:
             self.quiesce(timeout)
             yield
         finally:
-            with self._cond:
+            with self._lock:
                 self._held -= 1
                 self._start_thread()
 
     # -- the thread -------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 if not self._jobs:
                     if not self._quiescing:
                         self._cond.wait(LINGER)
@@ -170,7 +175,7 @@ class Releaser:
             kept = self._round(jobs)
             finished = len(jobs) - len(kept)
             del jobs  # no slot's function kept alive while the thread waits
-            with self._cond:
+            with self._lock:
                 self._jobs[:0] = kept
                 self._pending -= finished
                 self._cond.notify_all()
