@@ -11,12 +11,12 @@ the library's own ``TarWriter`` into a temporary folder.
 from __future__ import annotations
 
 import importlib.util
-import random
 import warnings
 
 import numpy as np
 import pytest
 import torch
+from _resume_helpers import disturb_rngs
 
 import torchfeed
 
@@ -87,8 +87,7 @@ def test_mid_epoch_resume_reads_again_and_drops_what_was_yielded(urls):
     head = [ids(next(it)) for _ in range(3)]
     state = loader.state_dict()
     del it
-    # Whatever ran in between, the state alone says where to go on.
-    torch.manual_seed(99), random.seed(99), np.random.seed(99)
+    disturb_rngs()  # whatever ran in between, the state alone says where to go on
     resumed = torchfeed.DataLoader(pipeline(urls), batch_size=None, num_workers=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
