@@ -142,6 +142,32 @@ MUTATIONS = (
         "(state == FREE or state == FILLING or state == COLD)",
         "(state != PUNCHED)",
         ("tests/test_transport.py::test_slot_stays_in_use_while_any_view_of_the_batch_lives",)),
+    Mutation(
+        "share-dataset-noop", "sharing: share_dataset=True leaves the dataset's large "
+        "attributes as they are, copied into every worker",
+        "torchfeed/_share_dataset.py",
+        '    return share_once(loader, keep_originals=method != "fork")\n',
+        "    return []\n",
+        ("tests/test_share_dataset.py::"
+         "test_coco_like_attributes_are_shared_and_batches_equal_torchs[fork]",
+         "tests/test_share_dataset.py::test_workers_reading_every_record_hold_no_copy_of_them[fork]"),
+        each=True),
+    Mutation(
+        "share-sends-values", "sharing: a shared container goes to another process as its "
+        "values, not as a handle to the one copy",
+        "torchfeed/_share/_buffer.py",
+        "        return SharedBuffer._from_handle, (reduction.DupFd(self.fd),)\n",
+        "        return _buffer_from_bytes, (bytes(self.view),)\n",
+        ("tests/test_share.py::test_a_handle_crosses_processes_and_pickle_writes_values",)),
+    Mutation(
+        "shared-record-misread", "integrity: a shared list hands out its next record",
+        "torchfeed/_share/_sequence.py",
+        "        return pickle.loads(self._view[offsets[i]:offsets[i + 1]])\n",
+        "        i = min(i + 1, self._len - 1)\n"
+        "        return pickle.loads(self._view[offsets[i]:offsets[i + 1]])\n",
+        ("tests/test_share.py::test_list_behaves_as_the_list",
+         "tests/test_share_dataset.py::test_resume_with_shared_attributes_equals_torchs_epoch"),
+        each=True),
 )
 
 
