@@ -143,6 +143,16 @@ MUTATIONS = (
         "(state != PUNCHED)",
         ("tests/test_transport.py::test_slot_stays_in_use_while_any_view_of_the_batch_lives",)),
     Mutation(
+        "unfenced-slot-freed", "integrity: a page-locked slot goes back to its worker "
+        "though no CUDA fence proved the copy from it done",
+        "torchfeed/_transport/_releaser.py",
+        "                return self._unfenced(jobs, fence_error, sync_error)\n",
+        "                pass\n",
+        ("tests/test_device_stage.py::test_a_fence_that_cannot_be_proven_never_frees_a_slot",
+         "tests/test_device_stage.py::"
+         "test_a_fence_that_fails_for_a_while_frees_the_slot_only_once_it_passes"),
+        each=True),
+    Mutation(
         "share-dataset-noop", "sharing: share_dataset=True leaves the dataset's large "
         "attributes as they are, copied into every worker",
         "torchfeed/_share_dataset.py",
