@@ -143,6 +143,21 @@ MUTATIONS = (
         "(state != PUNCHED)",
         ("tests/test_transport.py::test_slot_stays_in_use_while_any_view_of_the_batch_lives",)),
     Mutation(
+        "worker-seed-not-torchs", "seeding: every worker gets the same seed, not torch's "
+        "base_seed + worker_id",
+        "torchfeed/_seeding.py",
+        "    seed = base_seed + worker_id\n",
+        "    seed = base_seed\n",
+        ("tests/test_seeding.py::test_worker_seeds_are_base_seed_plus_id",)),
+    Mutation(
+        "rank-split-not-torchs", "distributed: each rank takes a contiguous block of the "
+        "epoch, not torch's every num_replicas-th index",
+        "torchfeed/distributed.py",
+        "        return indices[self.rank :: self.num_replicas].clone()\n",
+        "        share = len(indices) // self.num_replicas\n"
+        "        return indices[self.rank * share : (self.rank + 1) * share].clone()\n",
+        ("tests/test_distributed.py::test_same_indices_and_len_as_torch",)),
+    Mutation(
         "unfenced-slot-freed", "integrity: a page-locked slot goes back to its worker "
         "though no CUDA fence proved the copy from it done",
         "torchfeed/_transport/_releaser.py",
