@@ -121,6 +121,15 @@ MUTATIONS = (
         ("tests/test_shutdown.py::"
          "test_ctrl_c_while_a_batch_is_released_is_raised_and_its_slot_goes_back",)),
     Mutation(
+        "ctrl-c-cut-at-release-entry",
+        "shutdown: a Ctrl-C landing on a release's first instruction drops the release "
+        "and the Ctrl-C with it",
+        "torchfeed/_dropped_ctrl_c.py",
+        "_WATCHABLE = _newest_callback_first()\n",
+        "_WATCHABLE = False\n",
+        ("tests/test_shutdown.py::"
+         "test_ctrl_c_on_the_first_instruction_of_a_release_is_raised_and_its_slot_goes_back",)),
+    Mutation(
         "no-shutdown", "shutdown: an iterator never stops its workers",
         "torchfeed/_multiprocess.py",
         "        if self.shut_down:\n            return\n",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -277,3 +278,56 @@ def test_ctrl_c_while_a_batch_is_released_is_raised_and_its_slot_goes_back(ctrl_
         next(it)  # the loop stops at its next batch
     assert "Exception ignored" not in capfd.readouterr().err
     assert list(it) == []  # and the epoch, resumed, ends as it would have
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_on_the_first_instruction_of_a_release_is_raised_and_its_slot_goes_back(
+        ctrl_c_raises, monkeypatch):
+    """NOTE [ Ctrl-C in a release ], its last hole: from Python 3.11 a function's
+    entry checks for signals, so a Ctrl-C pending as the batch dies is raised on the
+    release's first instruction, before its try, and CPython drops the whole
+    release.  Here a real signal (SIGALRM, handled by Python's own SIGINT handler,
+    which raises KeyboardInterrupt) fires while C code frees a large list and then
+    the batch, with no instruction of Python's in between: the release is the first
+    Python code to run, and its entry raises.  Seen once in a mutation check's
+    control run on 2026-12-01 (test_keyboard_interrupt_in_main_process: the loop
+    never stopped, the traceback at the release's def line)."""
+    cut = []
+
+    def unraisable(args):  # CPython dropping the release: the test's premise
+        cut.append((args.exc_type, getattr(args.object, "__name__", None)))
+
+    monkeypatch.setattr(sys, "unraisablehook", unraisable)
+    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    try:
+        loader = torchfeed.DataLoader(torch.arange(512).view(8, 64), batch_size=8,
+                                      num_workers=1)
+
+        def slots():
+            return [s for _w, _idx, _cap, s, _bytes in loader.stats()["shm"]["slot_table"]]
+
+        for attempt in range(5):  # a try whose signal landed elsewhere is not counted
+            it = iter(loader)
+            # list.clear() frees from the end: 3 million floats (about 20 ms on
+            # two cores), then the batch.
+            held = [next(it), [float(i) for i in range(3_000_000)]]
+            assert slots() == ["in use"]
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0.002 * (attempt + 1))
+                held.clear()  # the signal arrives meanwhile, and is pending at the release
+                time.sleep(0.2)  # where a signal that missed the release lands instead
+            except KeyboardInterrupt:
+                continue
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            break  # the signal landed in the release
+        else:
+            pytest.fail("the signal never landed in the release: each of 5 tries missed it")
+        if sys.version_info >= (3, 11):  # before, a function's first instruction never raises
+            assert cut == [(KeyboardInterrupt, "release")], cut
+        with pytest.raises(KeyboardInterrupt):
+            next(it)  # the loop stops at its next batch, as it would have
+        assert slots() == ["free"]  # and the slot went back to its worker
+        assert list(it) == []
+    finally:
+        signal.signal(signal.SIGALRM, previous)

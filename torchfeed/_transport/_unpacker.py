@@ -155,6 +155,7 @@ class Unpacker:
         me = weakref.ref(self)
         FREE, COLD, IN_FLIGHT = _slots.FREE, _slots.COLD, _slots.IN_FLIGHT
         warm = _slots.warm_bytes(cap)
+        pending: list[list] = [[]]  # the token of the batch in the slot (unpack)
 
         def give_back():
             self_ = me()
@@ -186,9 +187,12 @@ class Unpacker:
             # is written last in give_back, with no call after it, so a slot still
             # in flight here was not handed back: no worker can have taken it again.
             # The Ctrl-C is kept for the main thread's next __next__ (_dropped_ctrl_c).
-            # Still open: one that lands on this function's first line, before
-            # the try, is dropped with the whole release.
+            # One that lands on this function's first line, before the try, drops
+            # the whole release: the batch's token, emptied first thing here, is
+            # then still full when the batch's watcher dies, and the next sweep of
+            # _dropped_ctrl_c runs this release and keeps the Ctrl-C.
             try:
+                pending[0].clear()
                 give_back()
             except BaseException as exc:
                 if states[idx] == IN_FLIGHT:
@@ -196,6 +200,7 @@ class Unpacker:
                 if not isinstance(exc, KeyboardInterrupt):
                     raise
                 _dropped_ctrl_c.keep()
+        release.pending = pending  # type: ignore[attr-defined]
         return release
 
     def trim(self) -> None:
@@ -244,6 +249,11 @@ class Unpacker:
             raise RuntimeError(f"torchfeed transport: worker {w} reused slot {idx} while a "
                                "batch in it was still alive (a bug; please report it)")
         owner = entry.base.view(_layout.SlotOwner)
+        pending = getattr(entry.release, "pending", None)
+        if pending is not None:  # None: page-locked, released by the releaser's thread
+            token = [weakref.ref(entry.release)]
+            pending[0] = token
+            _dropped_ctrl_c.watch(owner, token)  # first: its callback runs after the release's
         entry.ref = weakref.ref(owner, entry.release)
         self.idle = False
         self._resting.discard(w)
@@ -350,6 +360,9 @@ class Unpacker:
                 keep.append((entry.off, entry.cap))
                 key = id(entry)
                 _HELD_AFTER_CLOSE[key] = entry
+                pending = getattr(entry.release, "pending", None)
+                if pending is not None:
+                    pending[0].clear()  # its release never runs now: nothing to sweep
                 entry.release = None
                 unpacker = weakref.ref(self) if counted else None
                 callback = _punch_on_release(entry.map, key, unpacker, entry.cap)
