@@ -19,7 +19,9 @@ signal can cut).  CPython calls a dying object's callbacks newest first, so
 when that one runs the release has run or was cut; the release empties the
 batch's *token* as its first step.  A death whose token is still full was
 cut: ``sweep`` (at the next ``__next__``, and at the next batch unpacked)
-runs the release then and keeps the Ctrl-C.  Where callbacks do not run
+runs the release then and keeps the Ctrl-C.  Unless the release itself is
+gone: a weakref that dies unfired (in a collected cycle, or with its slot's
+mapping) leaves its token full too, and no Ctrl-C was cut there.  Where callbacks do not run
 newest first (checked once, at import), nothing is watched and the hole stays.
 """
 from __future__ import annotations
@@ -84,8 +86,11 @@ def sweep() -> None:
         if not token:
             continue  # the release ran (or will never run: its transport closed)
         release = token[0]()
-        if release is not None:
-            release(None)
+        if release is None or release.pending[0] is not token:
+            # No release was due: its weakref died unfired, with the slot's
+            # mapping (a collected cycle, a transport dropped unclosed).
+            continue
+        release(None)
         # Python's own handler raises KeyboardInterrupt: that was what was cut.
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             keep()
