@@ -66,7 +66,8 @@ _WATCHABLE = _newest_callback_first()
 def watch(owner, token: list) -> None:
     """Watch ``owner``, a batch's memory, before its release's weakref is made.
     ``token`` holds a weakref to the release, which empties it as its first
-    step (the release must be a plain function: called as ``release(None)``)."""
+    step; the release is called as ``release(None)``, and carries ``pending``
+    (its slot's current token) and ``unpacker`` (a weakref to its transport)."""
     if not _WATCHABLE:
         return
     if _deaths:
@@ -86,9 +87,10 @@ def sweep() -> None:
         if not token:
             continue  # the release ran (or will never run: its transport closed)
         release = token[0]()
-        if release is None or release.pending[0] is not token:
+        unpacker = None if release is None else release.unpacker()
+        if unpacker is None or unpacker.closed or release.pending[0] is not token:
             # No release was due: its weakref died unfired, with the slot's
-            # mapping (a collected cycle, a transport dropped unclosed).
+            # mapping or its transport (a collected cycle, a transport dropped).
             continue
         release(None)
         # Python's own handler raises KeyboardInterrupt: that was what was cut.

@@ -200,7 +200,7 @@ class Unpacker:
                 if not isinstance(exc, KeyboardInterrupt):
                     raise
                 _dropped_ctrl_c.keep()
-        release.pending = pending  # type: ignore[attr-defined]
+        release.pending, release.unpacker = pending, me  # type: ignore[attr-defined]
         return release
 
     def trim(self) -> None:
