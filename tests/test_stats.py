@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from transport_helpers import wait_until
 
 from torchfeed import DataLoader
 from torchfeed._torch_compat import accelerator_available
@@ -289,10 +290,8 @@ def test_shared_memory_figures_come_from_the_transport():
     # The workers go on packing the epoch's other batches into new slots: the two
     # readings compared below agree only once they have packed all of them (the
     # first CI-like runs of 2026-12-01 read 3 slots, then 4, in 2 of 4 suites).
-    deadline = time.monotonic() + 30
-    while _packed(it._unpacker.stats()) < len(loader):
-        assert time.monotonic() < deadline, it._unpacker.stats()
-        time.sleep(0.01)
+    assert wait_until(lambda: _packed(it._unpacker.stats()) >= len(loader), 30, 0.01), \
+        it._unpacker.stats()
     held = loader.stats()["shm"]
     assert set(held) == {"slots", "in_use", "bytes", "in_use_bytes", "reuse_bytes",
                          "page_locked_bytes", "worker_bytes", "slot_table"}

@@ -21,8 +21,9 @@ batch's *token* as its first step.  A death whose token is still full was
 cut: ``sweep`` (at the next ``__next__``, and at the next batch unpacked)
 runs the release then and keeps the Ctrl-C.  Unless the release itself is
 gone: a weakref that dies unfired (in a collected cycle, or with its slot's
-mapping) leaves its token full too, and no Ctrl-C was cut there.  Where callbacks do not run
-newest first (checked once, at import), nothing is watched and the hole stays.
+mapping) leaves its token full too, and no Ctrl-C was cut there.  Where
+callbacks do not run newest first (checked once, at import), nothing is
+watched and the hole stays.
 """
 from __future__ import annotations
 
