@@ -202,6 +202,21 @@ MUTATIONS = (
         ("tests/test_share.py::test_list_behaves_as_the_list",
          "tests/test_share_dataset.py::test_resume_with_shared_attributes_equals_torchs_epoch"),
         each=True),
+    Mutation(
+        "sentinel-only", "never hang: a dead worker is seen by its sentinel alone, never is_alive()",
+        "torchfeed/_receive.py",
+        "            ready = [s for s, worker_id in sentinels.items() if not self._alive(worker_id)]\n",
+        "            ready = []\n",
+        ("tests/faults/test_faults_worker_death.py::"
+         "test_dead_worker_whose_sentinel_stays_quiet_is_seen",)),
+    Mutation(
+        "half-message-sentinel-only",
+        "never hang: a writer that died mid-message is seen by its sentinel alone",
+        "torchfeed/_ipc/_pipe_reader.py",
+        "                if not woken and alive is not None:\n",
+        "                if False:\n",
+        ("tests/faults/test_faults_half_message.py::"
+         "test_worker_killed_mid_write_never_hangs[spawn-quiet-sentinel]",)),
 )
 
 

@@ -44,7 +44,7 @@ import torch
 from . import _worker_tempdir
 from ._device import DeviceFeedThread, hand_over, resolve_device
 from ._errors import WorkerFailure, describe_dead_worker
-from ._ipc import WAIT_SLICE, close_queue
+from ._ipc import WAIT_SLICE, close_queue, join_process
 from ._iterator_base import BaseIterator
 from ._pin_memory import PinMemoryThread, pass_through_requested
 from ._processes import StopFlag, launch_worker, launched_at, stop_workers
@@ -228,7 +228,7 @@ class MultiProcessIterator(BaseIterator):
 
     def _raise_dead_worker(self, worker_id: int, note: str = "") -> None:
         process = self._workers[worker_id]
-        process.join(timeout=0.5)  # reap it, so exitcode is known
+        join_process(process, 0.5)  # reap it, so exitcode is known
         in_flight = [(task.batch_index, task.indices) for _, task in self._unanswered(worker_id)]
         # torch's sentence names every worker it finds dead, in worker order.
         dead_pids = [w.pid for i, w in enumerate(self._workers)

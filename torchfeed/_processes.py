@@ -68,7 +68,7 @@ import warnings
 import weakref
 
 from . import _fault_hook, _worker_tempdir
-from ._ipc import IndexQueue
+from ._ipc import IndexQueue, join_process
 from ._pickling import describe_unpicklable
 from ._stack_dump import StackPipe
 from ._torch_compat import WARNS_OF_PICKLE_ERROR
@@ -292,15 +292,15 @@ def stop_workers(workers, index_queues, stopping: StopFlag) -> None:
             except (ValueError, OSError):
                 pass  # queue already closed
     deadline = time.monotonic() + SHUTDOWN_GRACE
-    for process in workers:
-        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in workers:  # joins sliced: a sentinel can stay quiet (_ipc/_wait.py)
+        join_process(process, max(0.0, deadline - time.monotonic()))
     for process in workers:
         if process.is_alive():
             process.terminate()
-            process.join(timeout=0.5)
+            join_process(process, 0.5)
         if process.is_alive():
             process.kill()
-            process.join(timeout=0.5)
+            join_process(process, 0.5)
 
 
 def _unpicklable(value) -> bool:

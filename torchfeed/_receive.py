@@ -20,6 +20,10 @@ queue's pipe *and* every worker's process sentinel at once
 segfault or ``os._exit`` wakes it immediately, and the error names that
 worker's pid, its signal or exit code and the batches it had in flight.
 torch instead polls every 5 seconds and relies on a SIGCHLD handler.  A
+sentinel can stay quiet after its worker's death (a process the worker
+started holds it open: NOTE [ A sentinel held open ] in ``_ipc/_wait.py``), so
+each slice in which nothing arrived also asks every watched worker
+``is_alive()``, and the error comes within a slice either way.  A
 worker with nothing left to do this epoch is watched too, until it exits
 cleanly: it can still die holding the write lock the others need (NOTE [
 Cross-process primitives ] in CONTRIBUTING.md).
@@ -30,7 +34,7 @@ import collections
 import pickle
 
 from ._errors import WorkerFailure
-from ._ipc import HalfMessage, MessageReader, Stopped, wait_ready
+from ._ipc import HalfMessage, MessageReader, Stopped, join_process, wait_ready
 from ._protocol import IterableExhausted
 from ._transport import fd_exhaustion_error
 
@@ -82,7 +86,12 @@ class ResultReceiver:
         if self.messages.has_message():
             return self._take_ready([self.messages.fd], sentinels)
         ready = wait_ready([self.messages.fd, *sentinels], timeout)
+        if not ready:  # a sentinel can stay quiet (NOTE [ A sentinel held open ], _ipc/_wait.py)
+            ready = [s for s, worker_id in sentinels.items() if not self._alive(worker_id)]
         return self._take_ready(ready, sentinels)
+
+    def _alive(self, worker_id: int) -> bool:
+        return self.workers[worker_id].is_alive()
 
     def _take_ready(self, ready, sentinels):
         """Raises WorkerDied for a worker that owes us results and is dead; the
@@ -108,7 +117,7 @@ class ResultReceiver:
             # leaves nothing taken; any other end (a signal, the OOM killer)
             # may have left the write lock taken, and the others waiting on it.
             process = self.workers[worker_id]
-            process.join(timeout=DYING_SENDER_WAIT)
+            join_process(process, DYING_SENDER_WAIT)
             if process.exitcode != 0:
                 raise WorkerDied(worker_id)
             self.retired.add(process)
@@ -118,7 +127,7 @@ class ResultReceiver:
         """(send_idx, payload) of the next message, which has begun to arrive;
         for an acknowledgement (ResumeIteration), (marker, worker_id).  None for
         a message from worker ``dead`` that cannot be rebuilt."""
-        raw = self.messages.read(sentinels or {}, lambda: self.stopped, dead, ready)
+        raw = self.messages.read(sentinels or {}, lambda: self.stopped, dead, ready, self._alive)
         message = pickle.loads(raw)
         send_idx, worker_id, blob, seconds = message[:4]
         if len(message) > 4:  # a worker's first message: when it started, its memory then
@@ -134,7 +143,7 @@ class ResultReceiver:
             if worker_id == dead:
                 return None  # its task will be sent again
             process = self.workers[worker_id]
-            process.join(timeout=DYING_SENDER_WAIT)
+            join_process(process, DYING_SENDER_WAIT)
             if not process.is_alive():
                 raise WorkerDied(worker_id) from None
             error = fd_exhaustion_error(exc)

@@ -42,7 +42,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from ._errors import describe_exit
-from ._ipc import HalfMessage, write_lock
+from ._ipc import HalfMessage, join_process, write_lock
 from ._protocol import TaskInfo
 from ._receive import ResultReceiver, WorkerDied
 
@@ -120,7 +120,7 @@ class WorkerRestarts:
 
     def _refusal(self, death: WorkerDied) -> str | None:
         process = self._workers[death.worker_id]
-        process.join(timeout=0.5)  # reap it, so its exit code is known
+        join_process(process, 0.5)  # reap it, so its exit code is known
         reason = self.budget.refusal(process.exitcode, self._is_iterable)
         if death.half_message:
             half = ("It died while writing a result to the main process, which leaves half a "

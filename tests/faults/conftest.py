@@ -14,6 +14,7 @@ thread's plumbing runs without pinning, see ``TORCHFEED_PIN_THREAD_WITHOUT_ACCEL
 from __future__ import annotations
 
 import gc
+import multiprocessing.resource_tracker
 import os
 import threading
 import time
@@ -111,6 +112,13 @@ def _warm_up():
             for batch in torchfeed.DataLoader(ds, batch_size=2, num_workers=2, pin_memory=pin):
                 del batch
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def resource_tracker():
+    """spawn's resource tracker, a process that outlives the loader by design,
+    started before the leak check's snapshot so that it is not taken for a leak."""
+    multiprocessing.resource_tracker.ensure_running()
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -135,6 +136,26 @@ class FailingInit:
     def __call__(self, worker_id):
         if worker_id == self.worker_id:
             fire("raise", self.marker, "worker_init_fn")
+
+
+def share_through_files(worker_id: int) -> None:
+    """worker_init_fn: torch's ``file_system`` sharing strategy (macOS's default),
+    whose first shared tensor starts a ``torch_shm_manager`` child of the worker."""
+    torch.multiprocessing.set_sharing_strategy("file_system")
+
+
+class HoldSentinel:
+    """worker_init_fn: starts ``cat`` reading the FIFO ``fifo`` with the worker's
+    inheritable descriptors, as torch's ``torch_shm_manager`` is started; under
+    ``spawn`` those include the write end of the worker's sentinel, so ``cat``
+    keeps the sentinel quiet after the worker's death, until the test closes
+    its end of the FIFO and ``cat`` exits."""
+
+    def __init__(self, fifo: str):
+        self.fifo = fifo
+
+    def __call__(self, worker_id: int) -> None:
+        subprocess.Popen(["cat", self.fifo], close_fds=False, stdout=subprocess.DEVNULL)
 
 
 class UnpicklableMeta(Dataset):

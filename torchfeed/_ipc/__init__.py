@@ -12,7 +12,8 @@ and never hangs on half a message.
 - ``_index_queue.py``: ``IndexQueue``, the main thread's direct writes of tasks.
 - ``_result_writer.py``: ``ResultWriter``, a worker's direct writes of results.
 - ``_pipe_reader.py``: ``MessageReader``, the main process's reads of results.
-- ``_wait.py``: ``wait_ready`` on pipes and sentinels; ``WAIT_SLICE``.
+- ``_wait.py``: ``wait_ready`` on pipes and sentinels, ``join_process`` (a join
+  that also sees a death whose sentinel stays quiet); ``WAIT_SLICE``.
 - ``_mp_queue.py``: the only module that touches ``multiprocessing.Queue``'s
   private attributes (and the Python versions that was checked on).
 """
@@ -22,9 +23,10 @@ from ._index_queue import IndexQueue
 from ._mp_queue import become_write_only, close_queue, reader_fd, write_lock
 from ._pipe_reader import HalfMessage, MessageReader, Stopped
 from ._result_writer import ResultWriter
-from ._wait import WAIT_SLICE, wait_ready
+from ._wait import WAIT_SLICE, join_process, wait_ready
 
 __all__ = [
     "WAIT_SLICE", "HalfMessage", "IndexQueue", "MessageReader", "ResultWriter", "Stopped",
-    "become_write_only", "close_queue", "reader_fd", "wait_ready", "write_lock",
+    "become_write_only", "close_queue", "join_process", "reader_fd", "wait_ready",
+    "write_lock",
 ]

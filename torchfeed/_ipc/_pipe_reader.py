@@ -67,12 +67,14 @@ class MessageReader:
         return len(self._buf) > self._pos or bool(wait_ready([self._fd], 0))
 
     def read(self, sentinels: dict, stopping, dead: int | None = None,
-             ready: bool = False) -> bytes:
+             ready: bool = False, alive=None) -> bytes:
         """One whole message; a message must have begun to arrive (``started``).
 
         ``sentinels`` maps live workers' sentinels to their ids; ``dead`` is a
         worker already known to be dead, ``stopping()`` says the iterator is
-        shutting down; ``ready`` says the pipe is known to be readable now."""
+        shutting down; ``ready`` says the pipe is known to be readable now;
+        ``alive(worker_id)``, where given, is asked after a slice in which
+        nothing arrived (NOTE [ A sentinel held open ] in ``_wait.py``)."""
         sentinels = dict(sentinels)
         stalled_since = None
         while True:
@@ -93,6 +95,8 @@ class MessageReader:
                 return message
             if not ready:
                 woken = wait_ready([self._fd, *sentinels], WAIT_SLICE)
+                if not woken and alive is not None:
+                    woken = [s for s, worker_id in sentinels.items() if not alive(worker_id)]
                 ready = self._fd in woken
                 for sentinel in woken:  # stop watching it: a dead sentinel stays ready
                     if sentinel in sentinels:
