@@ -69,6 +69,18 @@ For the same reason it compiles torchfeed and the tests' helper modules
 (``__pycache__`` too): some sixty fresh interpreters import them in a run
 (spawned workers, torchrun ranks, scripts), each compiling torchfeed's modules
 again, 0.1 s apiece.
+
+Every descriptor a test opens is numbered 1024 or more, wherever the host
+allows that many (``ulimit -n`` of 4096 or more): after
+collection each worker fills the numbers below 1024 with descriptors of
+``/dev/null`` (``tests/host_fds.py``; not inheritable, so no spawned or
+exec'd process gets them).
+``select.select`` cannot take a descriptor above 1023, and on a host whose
+limit is high a worker that kept enough files open (mosaicml-streaming's
+mappings did) passed 1023 by itself and failed two tests with "filedescriptor
+out of range in select()" (issue 51); with the low numbers taken, any such
+call fails in every run, not only on that host.  ``tests/test_host_fds.py``
+checks the premise.
 """
 from __future__ import annotations
 
@@ -79,6 +91,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from host_fds import take_low_fds
 
 _TESTS = Path(__file__).resolve().parent
 _preparing: list[threading.Thread] = []
@@ -166,6 +180,7 @@ def _fork_from_huge_pages() -> None:
 
 
 def pytest_collection_finish(session):
+    take_low_fds()
     gc.collect()
     gc.freeze()
     _frozen_with[0] = len(sys.modules)

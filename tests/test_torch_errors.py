@@ -13,11 +13,11 @@ import faulthandler
 import functools
 import gc
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import pickle
 import re
-import select
 import shutil
 import signal
 import tempfile
@@ -282,7 +282,7 @@ def _receive(fd, deadline):
     """What ``_send`` sent, or None when it has not all come by ``deadline``."""
     data = b""
     while len(data) < 8 or len(data) < 8 + int.from_bytes(data[:8], "big"):
-        if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        if not multiprocessing.connection.wait([fd], max(0.0, deadline - time.monotonic())):
             return None
         chunk = os.read(fd, 1 << 16)
         if not chunk:

@@ -23,8 +23,8 @@ process has, or has at least asked the driver for its devices, which is as
 bad): so on a torch built with an accelerator, the pin-thread cases, whose
 main process pins batches for real, run the real script too (``start_main``).
 """
+import multiprocessing.connection
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -206,14 +206,14 @@ class ScriptServer:
         env = _script_env()
         self.proc = subprocess.Popen([sys.executable, SCRIPT, "--serve"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
-        self.buffered = b""  # read from the pipe's fd, unbuffered, so select() tells the truth
+        self.buffered = b""  # read from the pipe's fd, unbuffered, so a wait on it tells the truth
 
     def readline(self, timeout: float) -> str:
         """The next line, or "" if none is whole within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while b"\n" not in self.buffered:
             left = deadline - time.monotonic()
-            if not select.select([self.proc.stdout.fileno()], [], [], max(left, 0))[0]:
+            if not multiprocessing.connection.wait([self.proc.stdout.fileno()], max(left, 0)):
                 return ""
             chunk = os.read(self.proc.stdout.fileno(), 4096)
             if not chunk:
