@@ -81,11 +81,19 @@ mappings did) passed 1023 by itself and failed two tests with "filedescriptor
 out of range in select()" (issue 51); with the low numbers taken, any such
 call fails in every run, not only on that host.  ``tests/test_host_fds.py``
 checks the premise.
+
+``TORCHFEED_TEST_START_METHOD=forkserver`` makes that the default start method
+of every test process (``multiprocessing.set_start_method``), as it is on
+Python 3.14's Linux: ``.ci/run`` runs the core tests so, where a loader given
+no ``multiprocessing_context`` starts its workers the way the default says,
+torch's and torchfeed's alike.
 """
 from __future__ import annotations
 
 import ctypes
 import gc
+import multiprocessing
+import os
 import re
 import sys
 import threading
@@ -140,6 +148,9 @@ def _prepare_bytecode(config) -> None:
 
 
 def pytest_configure(config):
+    method = os.environ.get("TORCHFEED_TEST_START_METHOD")
+    if method:  # the default start method for the whole run (the docstring's last paragraph)
+        multiprocessing.set_start_method(method, force=True)
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False  # each group where our order puts it
     in_controller = not hasattr(config, "workerinput")
