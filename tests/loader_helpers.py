@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -20,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from doc_examples import doc_python_block
 
 import torchfeed
 from torchfeed._torch_compat import TAKES_IN_ORDER
@@ -246,10 +246,7 @@ def env_with_path(*folders) -> dict:
 
 
 def readme_python_block(starting_with: str) -> str:
-    """The README's one ```python block whose first line is ``starting_with``
-    (its file name, ``# train_ddp.py``): the examples the tests run as written."""
-    with open(README) as f:
-        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-    matches = [b for b in blocks if b.startswith(starting_with)]
-    assert len(matches) == 1, f"expected one README block starting with {starting_with!r}"
-    return matches[0]
+    """The one ```python block whose first line is ``starting_with`` (its file
+    name, ``# train_ddp.py``), from README.md or docs/ (``doc_examples``): the
+    examples the tests run as written."""
+    return doc_python_block(starting_with)

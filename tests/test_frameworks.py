@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_launches import LAUNCHES, ranks_of
+from doc_examples import doc_python_block
 from loader_helpers import launch_in_own_session
 from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data import Dataset
@@ -340,18 +341,12 @@ class Tiny(torch.nn.Module):
 
 
 def _trainers():
-    """The stock Trainer, and the README's subclass as written there."""
-    import re
-
+    """The stock Trainer, and the documentation's subclass as written there."""
     transformers = pytest.importorskip(
         "transformers", reason="transformers is not installed (the [test] extra has it)")
 
-    readme = (HERE.parent / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
-              if b.startswith("class TorchfeedTrainer(")]
-    assert len(blocks) == 1
     namespace = {"transformers": transformers, "torchfeed": torchfeed}
-    exec(blocks[0], namespace)
+    exec(doc_python_block("class TorchfeedTrainer("), namespace)
     return transformers.Trainer, namespace["TorchfeedTrainer"]
 
 

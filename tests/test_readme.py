@@ -1,4 +1,10 @@
-"""The README's examples run as written.
+"""The documentation's examples run as written: README.md's and docs/'s.
+
+Every ```python block whose first line names a file (``# quickstart.py``) is
+an example, collected from README.md and docs/*.md alike (tests/doc_examples.py);
+where one stands in both, the texts must be the same, and it runs once.
+tests/test_docs.py checks that every named example is run here (or, for
+``feed_gpu.py``, by tests/test_gpu_feed.py on a CUDA machine).
 
 The examples run with ``python <file>`` are each saved under their own name and
 run as ``__main__``, one after another in one fresh interpreter (``examples``).
@@ -37,10 +43,11 @@ def test_train_ddp_example_runs_and_resumes_at_another_scale(tmp_path_factory):
 
 
 # The examples run with ``python <file>`` run one after another in one fresh
-# interpreter (one torch import for the four), each from its own file and as
+# interpreter (one torch import for all of them), each from its own file and as
 # ``__main__``, as ``python <file>`` runs it (a spawned worker imports it as
 # ``__mp_main__`` from that file too); each one's output and traceback are kept apart.
-EXAMPLES = ("stateful_iterable.py", "stall_demo.py", "copy_on_read.py", "share_records.py")
+EXAMPLES = ("quickstart.py", "stateful_iterable.py", "stall_demo.py", "copy_on_read.py",
+            "share_records.py")
 RUN_EXAMPLES = """
 import contextlib, io, json, runpy, sys, traceback
 results = {}
@@ -78,7 +85,7 @@ def examples(tmp_path_factory):
 
 @pytest.mark.long
 @examples_together
-@pytest.mark.timeout(240)  # hang guards: the first of the four runs all four
+@pytest.mark.timeout(240)  # hang guards: the first of these runs them all
 def test_stall_demo_prints_a_data_bound_summary(examples):
     """The "Is my training data-bound?" example, run as written.
 
@@ -94,6 +101,17 @@ def test_stall_demo_prints_a_data_bound_summary(examples):
     workers = re.findall(r"^  ([01]) +\d+ +(\d+) +\d+% +[\d.]+$", out, re.M)
     assert [w for w, _ in workers] == ["0", "1"] and sum(int(n) for _, n in workers) == 40, out
     assert "verdict             data-bound" in out, out
+
+
+@pytest.mark.long
+@examples_together
+@pytest.mark.timeout(240)
+def test_quickstart_example_resumes_with_other_workers(examples):
+    """docs/getting-started.md's first loop: three batches at num_workers=2, the
+    state through json, the rest at num_workers=1, as the uninterrupted run."""
+    out = examples("quickstart.py")
+    assert out.startswith("resumed after 3 batches: the same 5 batches\n"), out
+    assert "torchfeed loader stats: epoch 0, 2 workers, transport shm" in out, out
 
 
 @pytest.mark.long

@@ -22,7 +22,38 @@ START_DOMINATES = 0.5  # worker start-up above this share of the epoch is called
 
 
 class LoaderStats(dict):
-    """``DataLoader.stats()``: a plain dict whose ``str()`` is a readable summary."""
+    """What `DataLoader.stats()` returns: a plain dict whose ``str()`` is a readable summary.
+
+    It describes the current (or latest) epoch of the loader's iterator; the
+    counters restart with each epoch.  Being a ``dict``, it can be logged as
+    JSON or compared in tests.  Its keys:
+
+    - ``state``: ``"not started"``, ``"running"`` or ``"finished"``;
+      ``epoch``; ``num_workers``; ``transport`` (``"shm"``, ``"torch"``, or
+      ``None`` with no workers); ``persistent_workers``.
+    - ``batches_yielded``; ``wall_seconds`` since ``iter()``;
+      ``wait_seconds``, the time the loop was blocked in ``next()``, and
+      ``stall_fraction``, that time's share of ``wall_seconds``.
+    - ``workers``: one dict per worker (one for the main process with
+      ``num_workers=0``): ``id``, ``pid``, ``batches``, ``busy_seconds`` and
+      ``busy_fraction`` (fetch, collate and pack), ``mean_fetch_seconds``,
+      ``start_seconds`` (launch to ready), ``uss_bytes`` (private memory,
+      the pages of shared data left out) and ``uss_growth_bytes`` (since the
+      worker started).  Figures not read yet are ``None``.
+    - ``worker_start_seconds`` and ``worker_start_fraction``: the time spent
+      starting workers this epoch, and its share of the epoch.
+    - ``queues``: ``in_flight`` (tasks sent, not received), ``ready``
+      (batches received, not yet yielded) and ``limit``
+      (``prefetch_factor * num_workers``).
+    - ``shm``: the shared-memory slots: ``slots``, ``in_use``, ``bytes``,
+      ``in_use_bytes``, ``reuse_bytes`` (what free slots keep),
+      ``page_locked_bytes``, ``worker_bytes`` (per worker) and
+      ``slot_table`` (every slot).
+    - ``pin_thread_busy_seconds``: the pin-memory thread's time, or ``None``
+      without one.
+    - ``large_attributes``: the dataset's lists, dicts and arrays of 1 MiB or
+      more, those ``share_dataset=True`` shared and those every worker copies.
+    """
 
     def __str__(self) -> str:
         s = self

@@ -20,7 +20,20 @@ _PLOT_INSTALL = "pip install 'torchfeed[plot]'   (or: pip install matplotlib)"
 
 @dataclass
 class TuneRow:
-    """One measured setting."""
+    """One measured setting of `torchfeed.tune`.
+
+    Attributes:
+        num_workers (int): the setting's ``num_workers``.
+        prefetch_factor (int | None): its ``prefetch_factor`` (``None`` at 0 workers).
+        batches_per_s (float | None): the throughput; ``None`` if it failed.
+        first_batch_s (float | None): seconds from ``iter()`` to the first batch.
+        cpu_us_per_batch (float | None): the main process's CPU per batch, in µs.
+        peak_mem_bytes (int | None): the peak memory of the main process and its workers.
+        batches (int): batches timed.
+        error (str | None): why the setting failed, if it did.
+        worker_start_s (float | None): seconds one start of the workers took.
+        worker_start_fraction (float | None): the share of the run spent starting workers.
+    """
 
     num_workers: int
     prefetch_factor: int | None
@@ -38,7 +51,21 @@ class TuneRow:
 
 @dataclass
 class TuneResult:
-    """The measured settings, the recommended one and the reason for it."""
+    """What `torchfeed.tune` returns: the measured settings, the recommended one and why.
+
+    ``str()`` of it is the table and the advice the tuner prints.
+
+    Attributes:
+        rows (list[TuneRow]): one per setting measured.
+        num_workers (int): the recommended ``num_workers``.
+        prefetch_factor (int | None): the recommended ``prefetch_factor``.
+        reason (str): why that setting.
+        seconds (float): the timed window per setting.
+        batch_size (int | None): the batch size measured.
+        cores (int): the usable cores.
+        notes (list[str]): what may make the figures less reliable (a busy
+            machine, failed settings, few batches, slow worker start).
+    """
 
     rows: list[TuneRow]
     num_workers: int
@@ -58,11 +85,13 @@ class TuneResult:
         return kwargs
 
     def to_dict(self) -> dict[str, Any]:
+        """Everything above as plain values (what ``--json`` writes), with ``loader_kwargs``."""
         data = asdict(self)
         data["loader_kwargs"] = self.loader_kwargs
         return data
 
     def table(self) -> str:
+        """The measured rows as a text table, the recommended one marked."""
         header = ["num_workers", "prefetch_factor", "batches/s", "vs best",
                   "first batch ms", "main CPU us/batch", "peak MiB", "batches", ""]
         best = max((r.batches_per_s or 0.0 for r in self.rows), default=0.0)
@@ -96,7 +125,14 @@ class TuneResult:
         return "\n".join(lines)
 
     def plot(self, path: str) -> None:
-        """Write batches/s against num_workers, one line per prefetch_factor, to ``path``."""
+        """Write batches/s against num_workers, one line per prefetch_factor, to ``path``.
+
+        Args:
+            path (str): the PNG file to write.
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install 'torchfeed[plot]'``).
+        """
         plt = pyplot()
         fig, ax = plt.subplots(figsize=(7, 4.5))
         ok = [r for r in self.rows if r.error is None]

@@ -44,11 +44,19 @@ _NOT_GIVEN: Any = object()
 
 
 class DataLoader(torch.utils.data.DataLoader[T_co]):
-    """A drop-in replacement for :class:`torch.utils.data.DataLoader`.
+    """A drop-in replacement for `torch.utils.data.DataLoader`.
 
-    Takes exactly the installed torch's arguments, with its defaults and
-    validation (``in_order`` from torch 2.6 on, as torch), plus these
-    keyword-only options:
+    Takes exactly the installed torch's arguments (`dataset`, `batch_size`,
+    `shuffle`, `sampler`, `batch_sampler`, `num_workers`, `collate_fn`,
+    `pin_memory`, `drop_last`, `timeout`, `worker_init_fn`,
+    `multiprocessing_context`, `generator`, `prefetch_factor`,
+    `persistent_workers`, `pin_memory_device`, and `in_order` from torch 2.6
+    on), with torch's defaults, meanings and validation: torch's own
+    constructor checks and stores them, so a bad one raises torch's exception
+    with torch's message. It yields the batches torch's loader yields, and adds
+    `state_dict()` / `load_state_dict()` (an exact mid-epoch position) and
+    `stats()`. torchfeed's own options are keyword-only and default to torch's
+    behaviour (all but `transport`):
 
     Args:
         transport (str): how batches cross from workers to the main process.
@@ -65,11 +73,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             replaced by a new process that is sent the same batches again, so
             the epoch comes out as it would have without the crash.  Default
             ``0``: a dead worker is an error, as in torch.  Map-style datasets
-            only; each restart warns.  See the README's troubleshooting section.
+            only; each restart warns.  See Troubleshooting, "Opt-in recovery".
         snapshot_every_n_steps (int): accepted for drop-in compatibility with
             torchdata's ``StatefulDataLoader`` and ignored: ``state_dict()`` is
             exact and cheap at every step.
-        log_every (int): log one line of :meth:`stats` (data-stall %, slowest
+        log_every (int): log one line of `stats()` (data-stall %, slowest
             worker) every ``log_every`` batches through
             ``logging.getLogger("torchfeed")`` at INFO.  Default ``None``: no
             line, unless the ``TORCHFEED_LOG_EVERY`` environment variable sets
@@ -79,19 +87,33 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             called).  Each batch is copied on the loader's own stream while the
             training loop computes on the one before, and the loop's current
             stream waits for the copy on the GPU.  Default ``None``: batches
-            stay on the CPU, as in torch.  See the README, "Feeding a GPU".
+            stay on the CPU, as in torch.  See "Feeding a GPU".
         share_dataset (bool): before the workers first start, replace the
             dataset's large attributes (a ``list``, ``tuple``, ``dict``,
             ``defaultdict`` or array of 1 MiB or more, on the dataset, on the
             plain objects it holds, two levels deep, and on the datasets a
             ``Subset`` or ``ConcatDataset`` wraps) by read-only shared versions
-            (:func:`torchfeed.share`), in place: the main process and every
+            (`torchfeed.share`), in place: the main process and every
             worker then hold one copy between them, read without copy-on-read
             under ``fork`` and sent as a handle under ``spawn`` and
             ``forkserver``.  Each read builds a fresh object; a write raises
             ``TypeError``.  Done once per loader; nothing is shared with
-            ``num_workers=0``.  Default ``False``.  See the README,
-            "Workers' memory grows".
+            ``num_workers=0``.  Default ``False``.  See "Sharing data".
+
+    Raises:
+        TypeError: ``seed_per_batch`` or ``share_dataset`` is not a bool;
+            ``log_every`` or ``max_worker_restarts`` is not an int.  torch's
+            arguments raise what torch's constructor raises.
+        ValueError: ``transport`` (or ``TORCHFEED_TRANSPORT``) is neither
+            ``"shm"`` nor ``"torch"``; ``log_every`` (or
+            ``TORCHFEED_LOG_EVERY``) is not a positive number of batches;
+            ``max_worker_restarts`` is negative, or not 0 with an
+            ``IterableDataset``; ``snapshot_every_n_steps`` is not an int;
+            ``device`` is neither a CUDA device nor ``"cpu"``.
+
+    Iterating raises what torch's iterator raises (a worker that died, a
+    timeout, an exception in the dataset or ``collate_fn``), with torch's type
+    and first line; Troubleshooting lists each by that line.
     """
 
     # One definition for every supported release.  ``in_order`` is forwarded to
@@ -147,10 +169,19 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return iterator
 
     def stats(self) -> LoaderStats:
-        """Statistics of the current (most recent) iterator, as a plain dict.
+        """Statistics of the current (most recent) iterator's epoch.
 
-        ``str()`` of the result is a readable summary.  See ``torchfeed/_stats.py``
-        and the README, "Is my training data-bound?".
+        Cheap to call at any time, also after the loop and with no iterator
+        yet (zero counts then).  After `torchfeed.prepare`, the statistics of
+        the loader the framework runs.  Raises nothing.
+
+        Returns:
+            LoaderStats: a plain ``dict`` (batches yielded, the time the loop
+                was blocked waiting for data and as a fraction, each worker's
+                batches, busy fraction, start time and private memory, queue
+                depths, shared-memory slots); ``str()`` of it is a readable
+                summary with a verdict.  The keys are listed under
+                `LoaderStats`.
         """
         engine = prepared_engine(self)  # torchfeed.prepare: the loader that runs
         if engine is not None:
@@ -159,21 +190,33 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return empty_stats(self) if source is None else source.snapshot()
 
     def state_dict(self) -> dict:
-        """Where this loader is: a small dict of plain values (see ``_state.py``).
+        """Where this loader is: a small dict of plain values.
 
         Exact at every step and cheap (no work proportional to the dataset):
         batches prefetched but not yet yielded are not counted as consumed.
         Survives ``json`` and ``torch.save``/``torch.load(weights_only=True)``.
-        After ``torchfeed.prepare``, the state of the loader the framework runs.
+        After `torchfeed.prepare`, the state of the loader the framework runs.
+        Warns once when the epoch cannot be resumed exactly (a sampler that
+        draws from a generator no checkpoint holds), and says why.
 
-        .. warning:: With a global-RNG sampler (``shuffle=True`` and no
-           ``generator``), the first epoch after a restart is exact: the rest of
-           the saved epoch, or, for a state at an epoch's end or before the first
-           ``iter()``, the next epoch (the state keeps the RNG it draws from).
-           Later epochs draw from torch's global RNG, which your own code also
-           consumes, so they match the uninterrupted run only if it does.  Pass a
-           ``generator``, or save ``torch.get_rng_state()`` with the checkpoint and
-           restore it on restart, to make every epoch exact.
+        Returns:
+            dict: the state, for `load_state_dict()` of this loader or of a
+                new one over the same data (with any ``num_workers``).
+
+        Raises:
+            Exception: whatever a Stateful dataset's or dataset iterator's own
+                ``state_dict()`` raised in a worker, raised here, when the state
+                is asked for.
+
+        Warning:
+            With a global-RNG sampler (``shuffle=True`` and no
+            ``generator``), the first epoch after a restart is exact: the rest of
+            the saved epoch, or, for a state at an epoch's end or before the first
+            ``iter()``, the next epoch (the state keeps the RNG it draws from).
+            Later epochs draw from torch's global RNG, which your own code also
+            consumes, so they match the uninterrupted run only if it does.  Pass a
+            ``generator``, or save ``torch.get_rng_state()`` with the checkpoint and
+            restore it on restart, to make every epoch exact.
         """
         engine = prepared_engine(self)
         if engine is not None:
@@ -188,10 +231,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def load_state_dict(self, state_dict: dict) -> None:
         """Continue from ``state_dict`` at the next ``iter()``.
 
-        Raises ``ValueError`` naming the field if the state cannot apply to this
-        loader.  Map-style datasets resume with any ``num_workers`` and load no
-        data to get there.  After ``torchfeed.prepare``, loads into the loader the
-        framework runs.
+        The next ``iter()`` yields the batches after the saved position, in
+        the same order and with the same values, without loading the skipped
+        data.  Map-style datasets resume with any ``num_workers``.  After
+        `torchfeed.prepare`, loads into the loader the framework runs.
+
+        Args:
+            state_dict (dict): a state from `state_dict()`.
+
+        Raises:
+            ValueError: the state cannot apply to this loader (another
+                dataset length, batch size, ``drop_last`` or sampler; a
+                position past the end of the epoch; per-worker states for
+                another ``num_workers``; a corrupted dict).  The message names
+                the field and both values, and the loader is left as it was.
         """
         engine = prepared_engine(self)
         if engine is not None:

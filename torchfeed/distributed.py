@@ -120,9 +120,32 @@ class DistributedSampler(_TorchDistributedSampler):
     """torch's ``DistributedSampler``, resumable at any world size.
 
     Same arguments, errors and (without a resume) the same indices as
-    ``torch.utils.data.distributed.DistributedSampler``. Adds
-    ``state_dict()``, ``state_dict_at(consumed)`` and ``load_state_dict()``;
-    see the module docstring for the state format and the elastic rule.
+    ``torch.utils.data.distributed.DistributedSampler``: one global order per
+    epoch (``torch.randperm`` seeded with ``seed + epoch``, or
+    ``range(len(dataset))``), rank ``r`` of ``W`` taking its positions
+    ``r, r + W, ...``, padded or cut as torch does.  Adds `state_dict()`,
+    `state_dict_at()` and `load_state_dict()`: the state is a global position
+    in the epoch's order, so a job saved at one world size continues the epoch
+    at another (the docs' "Multiple GPUs and nodes" gives the rule at the
+    edges).  A ``torchfeed.DataLoader`` saves and restores it inside its own
+    ``state_dict()``.
+
+    Args:
+        dataset: a sized dataset.
+        num_replicas (int): the world size; default: from the current
+            ``torch.distributed`` process group.
+        rank (int): this process's rank; default: from the process group.
+        shuffle (bool): shuffle each epoch's order (default ``True``).
+        seed (int): the shuffle's seed, the same on every rank (default 0).
+        drop_last (bool): cut the epoch's tail to a multiple of the world
+            size instead of padding it with the order's head (default
+            ``False``).
+
+    Raises:
+        RuntimeError: ``num_replicas`` or ``rank`` left out without
+            ``torch.distributed`` available (torch's error).
+        ValueError: ``rank`` outside ``[0, num_replicas - 1]`` (torch's
+            error).
     """
 
     def __init__(
@@ -188,6 +211,15 @@ class DistributedSampler(_TorchDistributedSampler):
         return self._pass_size(start) // self.num_replicas
 
     def set_epoch(self, epoch: int) -> None:
+        """Deal ``epoch``'s order at the next ``iter()``, as torch's ``set_epoch``.
+
+        With another epoch than the one a loaded state continues, the loaded
+        position is discarded, with a warning if it still had indices to
+        yield; ``set_epoch`` with the loaded epoch keeps it.
+
+        Args:
+            epoch (int): the epoch whose order to deal.
+        """
         if epoch != self.epoch:
             if self._resume_at is not None and self._pass_size(self._resume_at) > 0:
                 warnings.warn(
@@ -203,11 +235,35 @@ class DistributedSampler(_TorchDistributedSampler):
     # -- state -----------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """The state after the indices this sampler yielded (ahead of a prefetching loader)."""
+        """The state after the indices this sampler yielded.
+
+        A prefetching loader has taken indices its loop has not received yet;
+        a loader calls `state_dict_at()` instead.
+
+        Returns:
+            dict: plain ints and bools (``kind``, ``version``, ``epoch``,
+                ``seed``, ``shuffle``, ``drop_last``, ``dataset_len``,
+                ``samples_consumed``, ``world_size``), safe for ``json`` and
+                ``torch.load(weights_only=True)``.
+        """
         return self.state_dict_at(self._yielded)
 
     def state_dict_at(self, consumed: int) -> dict:
-        """The state once ``consumed`` of this rank's indices of the latest pass were used."""
+        """The state once ``consumed`` of this rank's indices of the latest pass were used.
+
+        Args:
+            consumed (int): this rank's indices that reached the training loop
+                since the latest ``iter(sampler)`` (or since the loaded
+                position, before the next ``iter()``).
+
+        Returns:
+            dict: the state, as `state_dict()` gives it.
+
+        Raises:
+            TypeError: ``consumed`` is not an int.
+            ValueError: ``consumed`` is negative or more than this rank's
+                pass holds.
+        """
         start = self._start if self._resume_at is None else self._resume_at
         available = self._pass_size(start) // self.num_replicas
         if isinstance(consumed, bool) or not isinstance(consumed, int):
@@ -234,9 +290,17 @@ class DistributedSampler(_TorchDistributedSampler):
     def load_state_dict(self, state: dict) -> None:
         """Continue ``state``'s epoch at its position, at this sampler's world size.
 
-        Takes effect at the next ``iter()``. Raises ``ValueError`` if the state
-        is malformed or does not describe the same order (dataset length, seed,
-        shuffle, drop_last).
+        Takes effect at the next ``iter()``, which yields this rank's share of
+        the rest of the epoch; sets the sampler's epoch to the state's.
+
+        Args:
+            state (dict): a state from `state_dict()` or `state_dict_at()` of
+                a sampler at any world size (rank 0's, say), or from
+                `merge_states()`.
+
+        Raises:
+            ValueError: the state is malformed, or does not describe the same
+                order (dataset length, seed, shuffle, drop_last).
         """
         _validate(state)
         for field, mine in (
@@ -294,6 +358,17 @@ def merge_states(states: Sequence[dict]) -> dict:
     Ranks in lockstep have identical states, and this returns that state. If
     positions differ, it returns the smallest: no sample is skipped, and at
     most the samples faster ranks consumed past it are yielded again.
+
+    Args:
+        states: one `DistributedSampler` state per rank.
+
+    Returns:
+        dict: the state to load on every rank.
+
+    Raises:
+        ValueError: no state, a malformed one, or states of different runs
+            or epochs (another epoch, seed, shuffle, drop_last or dataset
+            length).
     """
     if not states:
         raise ValueError("merge_states needs at least one state")
@@ -320,6 +395,9 @@ def rank_and_world_size() -> tuple[int, int]:
     DataLoader worker, which inherits it), else from the ``RANK`` and
     ``WORLD_SIZE`` environment variables that torchrun sets (a spawned worker
     inherits those), else ``(0, 1)``.
+
+    Returns:
+        tuple[int, int]: ``(rank, world_size)``.
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -336,6 +414,17 @@ def shard_info(rank: int | None = None, world_size: int | None = None) -> tuple[
     ``num_shards = world_size * num_workers``; outside a worker, the worker
     counts as ``(0, 1)``. ``rank`` and ``world_size`` default to
     ``rank_and_world_size()``. Every rank must use the same ``num_workers``.
+
+    Args:
+        rank (int): this process's rank; default: `rank_and_world_size()`'s.
+        world_size (int): the number of ranks; default:
+            `rank_and_world_size()`'s.
+
+    Returns:
+        tuple[int, int]: ``(shard_id, num_shards)``.
+
+    Raises:
+        ValueError: ``rank`` outside ``[0, world_size - 1]``.
     """
     if rank is None or world_size is None:
         found_rank, found_world = rank_and_world_size()
@@ -354,6 +443,17 @@ def shard_iterable(iterable: Iterable, rank: int | None = None, world_size: int 
     Use it in ``IterableDataset.__iter__``: ``return shard_iterable(self.source())``.
     Every item is read by every worker and kept by one; shard at the source
     (files, row groups) when reading is expensive, with the same ``shard_info()``.
+
+    Args:
+        iterable: the items every worker of every rank would read.
+        rank (int): as for `shard_info()`.
+        world_size (int): as for `shard_info()`.
+
+    Returns:
+        Iterator: the items ``i`` with ``i % num_shards == shard_id``.
+
+    Raises:
+        ValueError: ``rank`` outside ``[0, world_size - 1]``.
     """
     shard_id, num_shards = shard_info(rank, world_size)
     return itertools.islice(iterable, shard_id, None, num_shards)
@@ -362,8 +462,14 @@ def shard_iterable(iterable: Iterable, rank: int | None = None, world_size: int 
 def check_iterable_world_size(saved: int | None, current: int | None = None) -> None:
     """Raise ``ValueError`` if an IterableDataset state saved at ``saved`` ranks resumes at another world size.
 
-    ``current`` defaults to ``rank_and_world_size()[1]``. ``saved=None`` (a
-    state that did not record it) passes.
+    Args:
+        saved (int): the world size the state was saved at; ``None`` (a
+            state that did not record it) passes.
+        current (int): the world size now; default:
+            ``rank_and_world_size()[1]``.
+
+    Raises:
+        ValueError: ``saved`` and ``current`` differ; the message names both.
     """
     if current is None:
         current = rank_and_world_size()[1]

@@ -61,11 +61,34 @@ _FROM_USER = ("num_workers", "collate_fn", "pin_memory", "timeout", "multiproces
 def prepare(framework_prepare, loader, *args, **kwargs):
     """``framework_prepare(loader, *args, **kwargs)``, with torchfeed still iterating.
 
-    ``framework_prepare`` is the framework's own call (``accelerator.prepare``,
-    ``ray.train.torch.prepare_data_loader``); its result is returned, with the
-    ``torch.utils.data.DataLoader`` it built replaced by a ``torchfeed.DataLoader``
-    that deals the same indices.  Afterwards ``loader.state_dict()``,
-    ``loader.load_state_dict()`` and ``loader.stats()`` refer to that loader.
+    Accelerate's ``accelerator.prepare`` and Ray Train's
+    ``prepare_data_loader`` rebuild any loader as torch's own DataLoader.  This
+    lets the framework prepare the loader as it always does, then puts a
+    ``torchfeed.DataLoader`` back where the framework put torch's, built from
+    the framework's (batch) sampler, so that every rank deals exactly the
+    framework's shard, and from ``loader``'s other options.  Afterwards
+    ``loader.state_dict()``, ``loader.load_state_dict()`` and
+    ``loader.stats()`` refer to the loader that runs, and count the batches
+    the training loop received, not the framework's look-ahead.
+
+    Warns, and leaves the framework's loader running, when the framework's
+    result holds no DataLoader torchfeed knows how to replace; warns too
+    under Accelerate's ``use_stateful_dataloader=True`` and under
+    ``dispatch_batches=True`` with several processes (the saved position is
+    then not exact).
+
+    Args:
+        framework_prepare: the framework's own call, e.g.
+            ``accelerator.prepare`` or ``ray.train.torch.prepare_data_loader``.
+        loader (DataLoader): the ``torchfeed.DataLoader`` to prepare.
+        *args: passed on to ``framework_prepare`` after ``loader``.
+        **kwargs: passed on to ``framework_prepare``.
+
+    Returns:
+        What ``framework_prepare`` returned, holding the torchfeed loader.
+
+    Raises:
+        TypeError: ``loader`` is not a ``torchfeed.DataLoader``.
     """
     if not isinstance(loader, DataLoader):
         raise TypeError(f"torchfeed.prepare() takes a torchfeed.DataLoader, got "

@@ -30,22 +30,44 @@ def share(obj, *, name: str | None = None, group=None):
     """A read-only equivalent of ``obj`` whose data is stored once, in shared
     memory every process on the machine maps.
 
-    ``obj`` is a ``list`` or ``tuple`` (gives a ``SharedSequence``), a
-    ``dict`` or ``defaultdict`` (a ``SharedMapping``), a numpy array (a
-    read-only ``SharedArray``) or a CPU tensor (a copy in shared memory),
-    or a callable that takes no argument and returns one of these. Reading
-    an item builds a fresh object in the reader; writes raise ``TypeError``.
-    Sent to another process by ``multiprocessing`` (a DataLoader worker under
-    spawn or forkserver, a queue), the result travels as a file descriptor;
-    ``pickle.dumps`` writes its values. The memory is freed when the last
-    process holding it lets go.
+    Reading an item builds a fresh object in the reader; writes raise
+    ``TypeError``.  Sent to another process by ``multiprocessing`` (a
+    DataLoader worker under spawn or forkserver, a queue), the result travels
+    as a file descriptor; ``pickle.dumps`` writes its values. The memory is
+    freed when the last process holding it lets go, and nothing is left in
+    ``/dev/shm``.  ``obj`` already shared is returned as it is.
 
-    ``name`` labels the memory (``/proc/<pid>/fd`` shows ``torchfeed-share-<name>``).
-    With a ``name``, under an initialized ``torch.distributed`` process group
-    (``group``, default the world), this is a collective call: every rank of
-    the group calls it, in the same order, with the same name, and the ranks
-    on one host share one copy, built by the lowest of them; pass a callable
-    so that the other ranks never build the data at all.
+    Args:
+        obj: a ``list`` or ``tuple`` (gives a `SharedSequence`), a ``dict`` or
+            ``defaultdict`` (a `SharedMapping`), a numpy array (a read-only
+            array in shared memory) or a CPU tensor (a copy in shared memory),
+            or a callable that takes no argument and returns one of these.
+        name (str): labels the memory (``/proc/<pid>/fd`` shows
+            ``torchfeed-share-<name>``).  With a ``name``, under an
+            initialized ``torch.distributed`` process group, this is a
+            collective call: every rank of ``group`` calls it, in the same
+            order, with the same name, and the ranks on one host share one
+            copy, built by the lowest of them; pass a callable so that the
+            other ranks never build the data at all.
+        group: the ``torch.distributed`` process group of a named share
+            (default: the world).
+
+    Returns:
+        The shared equivalent of ``obj``.
+
+    Raises:
+        TypeError: ``obj`` is none of the kinds above (a subclass of list,
+            tuple or dict other than ``defaultdict``, an object array, a tensor
+            not on the CPU), an item cannot be pickled, a dict key has no
+            hash that is the same in every process (keys must be str, bytes,
+            numbers, ``None`` or tuples of them), an item holds a shared
+            container already; ``name`` is not a str; ``group`` without
+            ``name``.
+        ValueError: the ranks of a named share called it with different
+            names.
+        RuntimeError: this system cannot make sealed anonymous shared memory
+            (memfd); ``group`` given without an initialized
+            ``torch.distributed``; the rank that builds a named copy failed.
     """
     if isinstance(obj, (SharedSequence, SharedMapping)) or _is_shared_array(obj):
         return obj

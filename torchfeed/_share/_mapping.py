@@ -55,9 +55,20 @@ def build_mapping(items: dict, name: str | None) -> "SharedMapping":
 class SharedMapping(OneBuffer, Mapping):
     """A read-only dict whose keys and values live once in shared memory.
 
-    Built by :func:`torchfeed.share`; equal to the dict it was built from,
-    in the same order. Values come back as fresh objects on each read;
-    writes raise ``TypeError``."""
+    Made by `torchfeed.share` from a dict or defaultdict (not constructed
+    directly: ``SharedMapping(...)`` raises ``TypeError``); equal to the dict
+    it was built from, in the same order, with ``keys()``, ``values()``,
+    ``items()``, ``get``, ``in`` and ``|`` as a dict's.  Values come back as
+    fresh objects on each read.  A shared ``defaultdict`` keeps
+    ``default_factory``: a missing key gives ``default_factory()``, not
+    inserted.  ``original_type`` is ``dict`` or ``defaultdict``.
+
+    Raises:
+        TypeError: on any write (``shared[k] = v``, ``update``, ``pop``,
+            ``setdefault``, ...), naming the operation and how to get a mutable
+            copy (``dict(shared)``).
+        KeyError: a missing key, as a dict's (without ``default_factory``).
+    """
 
     __slots__ = ("_buffer", "_view", "_offsets", "_len", "_hashes", "_order",
                  "default_factory", "original_type")

@@ -38,9 +38,19 @@ def build_sequence(items: list | tuple, name: str | None) -> "SharedSequence":
 class SharedSequence(OneBuffer, Sequence):
     """A read-only list or tuple whose items live once in shared memory.
 
-    Built by :func:`torchfeed.share`; equal to the list (or tuple) it was
-    built from. Items come back as fresh objects on each read; writes raise
-    ``TypeError``."""
+    Made by `torchfeed.share` from a list or tuple (not constructed directly:
+    ``SharedSequence(...)`` raises ``TypeError``); equal to the list (or
+    tuple) it was built from, and it compares, hashes (a tuple's), slices,
+    adds and repeats as that one does.  ``shared[i]`` is a fresh object on
+    each read, a slice a plain list (or tuple).  ``original_type`` is
+    ``list`` or ``tuple``.
+
+    Raises:
+        TypeError: on any write (``shared[i] = x``, ``append``, ``extend``,
+            ``sort``, ...), naming the operation and how to get a mutable
+            copy (``list(shared)``).
+        IndexError: an index out of range, as a list's.
+    """
 
     __slots__ = ("_buffer", "_view", "_offsets", "_len", "original_type")
     _buffer: SharedBuffer
