@@ -57,7 +57,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.machinery
-import multiprocessing.forkserver
 import os
 import pickle
 import site
@@ -176,6 +175,8 @@ def launched_at(process) -> float | None:
 
 
 def _forkserver():
+    import multiprocessing.forkserver  # only where the method is used: Windows has none
+
     return multiprocessing.forkserver._forkserver
 
 

@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import errno
 import os
-import resource
 from dataclasses import dataclass
 
+from .. import _host
 from .._options import TRANSPORT_ENV as ENV_TRANSPORT
 from .._options import TRANSPORTS, resolve_transport  # the loader's: one check, one message
 from . import _arena, _space
@@ -128,6 +128,10 @@ def fd_exhaustion_error(exc: BaseException):
     Only batches that go through torch's reductions pass descriptors: the
     shared-memory slots hold one per worker, and batches kept beyond the slots
     travel inline."""
+    if not _host.HAS_RESOURCE:
+        return None  # Windows: no descriptor limit of this kind
+    import resource
+
     try:
         open_fds = len(os.listdir("/proc/self/fd"))
     except OSError:

@@ -64,6 +64,7 @@ import warnings
 
 import torch
 
+from .. import _host
 from . import _slots
 from ._releaser import Releaser
 
@@ -237,7 +238,8 @@ def _forget_in_child() -> None:
     releaser = _new_releaser()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+if _host.HAS_REGISTER_AT_FORK:  # elsewhere no process is forked (Windows)
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register
