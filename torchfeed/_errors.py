@@ -206,6 +206,22 @@ def explain_lookup_error(exc: LookupError, dataset, index, batched: bool = False
                  f"in [0, {n}).")
 
 
+def explain_start_method(exc: ValueError, method) -> None:
+    """torch's ValueError for a ``multiprocessing_context`` this host does not
+    have ('fork' on Windows), with a note naming the host and what to use."""
+    import multiprocessing
+
+    from . import _host
+
+    methods = multiprocessing.get_all_start_methods()
+    if not isinstance(method, str) or method in methods:
+        return
+    add_note(exc, f"torchfeed: {_host.PLATFORM} has the start methods {', '.join(methods)} "
+                  f"only; '{method}' cannot be used here. Use "
+                  f"multiprocessing_context='{methods[0]}' (or leave it unset: the platform's "
+                  "default).")
+
+
 def nested_worker_error(num_workers: int) -> AssertionError | None:
     """A loader with workers, iterated in a process that cannot have children
     (a DataLoader worker is daemonic): torch fails with multiprocessing's

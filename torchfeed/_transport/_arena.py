@@ -58,11 +58,6 @@ def _no_slots(what: str) -> OSError:
                                  f"which this host ({_host.PLATFORM}) lacks")
 
 
-def memfd_supported() -> bool:
-    """Whether this host has everything the shared-memory slots need."""
-    return _host.SHM_SLOTS
-
-
 def create_arena(worker_id: int) -> int:
     """A new, empty arena for one worker; returns its descriptor."""
     if not _host.SHM_SLOTS:

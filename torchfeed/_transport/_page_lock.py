@@ -227,6 +227,11 @@ def enable(channel) -> None:
     unpacker = channel.unpacker()
     if hasattr(unpacker, "pins"):
         unpacker.pins = SlotPins()
+    elif not _host.SHM_SLOTS:
+        _host.tell_once("page-locked slots", "pin_memory=True copies each batch into page-locked "
+                        "memory, as torch's DataLoader does: page-locking batches where they "
+                        "arrive needs torchfeed's shared-memory slots, which need Linux's "
+                        "memfd_create.", stacklevel=4)
 
 
 def _forget_in_child() -> None:
