@@ -1,5 +1,5 @@
 """Issue 51 on this Linux host: what torchfeed does where a capability is missing,
-.
+and the portable IPC backend (``TORCHFEED_PORTABLE=1``, what Windows runs).
 
 A missing capability is simulated here by turning its ``torchfeed._host`` flag
 off in this process, which is what the code reads; the whole-host simulations,
@@ -10,6 +10,10 @@ for real: real workers, real pipes, ``multiprocessing.connection.wait``.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import struct
+import threading
+import time
 import warnings
 
 import pytest
@@ -17,7 +21,9 @@ import torch
 from sample_datasets import RangeDataset
 
 import torchfeed
-from torchfeed import _host
+from torchfeed import _host, _ipc
+from torchfeed._ipc import HalfMessage, RelayReader, paused_for_fork, wait_ready
+from torchfeed._ipc._pipe_reader import STALL
 from torchfeed._stack_dump import UNAVAILABLE, collect_dumps, describe_timeout
 from torchfeed._transport import TorchChannel, _page_lock
 
@@ -32,6 +38,16 @@ def told(monkeypatch):
         warnings.simplefilter("always")
         yield lambda: [str(w.message) for w in caught
                        if issubclass(w.category, _host.PlatformFallbackWarning)]
+
+
+@pytest.fixture
+def portable(monkeypatch):
+    monkeypatch.setenv(_host.PORTABLE_ENV, "1")
+    assert not _host.fd_backend()
+
+
+def _relay_threads() -> list:
+    return [t for t in threading.enumerate() if t.name == "torchfeed-result-relay"]
 
 
 # -- where the shared-memory slots cannot exist (macOS, Windows) -------------------
@@ -142,3 +158,112 @@ def test_timeout_without_stack_dumps_says_why(monkeypatch):
     assert ("Python stacks of worker 0 (pid 123) are not available on Linux, which has no "
             "SIGUSR1 for faulthandler.register.") in text
     assert "Run with num_workers=0 to see where it is stuck" in text
+
+
+# -- the portable backend ----------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_portable_backend_loads_in_order_and_leaves_no_thread(portable):
+    loader = torchfeed.DataLoader(RangeDataset(40), batch_size=4, num_workers=2,
+                                  multiprocessing_context=FORK)
+    it = iter(loader)
+    assert isinstance(it._receiver.messages, RelayReader)
+    assert not any(q._direct for q in it._index_queues)
+    assert [b[1].tolist() for b in it] == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+    del it
+    deadline = time.monotonic() + 5
+    while _relay_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _relay_threads() == []
+
+
+@pytest.mark.timeout(30)
+def test_relay_is_readable_exactly_while_a_message_waits():
+    """The relay's pipe holds a token exactly while a message can be taken: a
+    token left over from a message already taken would wake the receiver for
+    nothing and make it wait for the next message without its timeout (a
+    timeout of 0.5 s that never fired, found on the forced portable run)."""
+    queue = FORK.Queue()
+    relay = RelayReader(queue)
+    try:
+        assert wait_ready([relay.fd], 0.2) == []
+        queue.put("first")
+        queue.put("second")
+        assert wait_ready([relay.fd], 5) == [relay.fd]
+        deadline = time.monotonic() + 5
+        while len(relay._inbox) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        import pickle
+        assert [pickle.loads(relay.read({}, lambda: False)) for _ in range(2)] == ["first", "second"]
+        assert not relay.has_message()
+        assert wait_ready([relay.fd], 0.3) == []
+    finally:
+        _ipc.close_queue(queue)
+    assert relay.closed
+
+
+@pytest.mark.timeout(30)
+def test_relay_never_hangs_on_half_a_message():
+    """A writer that dies part-way through a message: the relay thread waits on
+    the rest, the reader gives up after STALL and names the dead writer."""
+    queue = FORK.Queue()
+    relay = RelayReader(queue)
+    writer = queue._writer.fileno()
+    child = FORK.Process(target=_write_half_a_message, args=(writer,))
+    child.start()
+    child.join(10)
+    assert child.exitcode == 0
+    assert wait_ready([relay.fd], 1.0) == []  # no whole message
+    deadline = time.monotonic() + 5
+    while not relay.started() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert relay.started()
+    began = time.monotonic()
+    with pytest.raises(HalfMessage) as raised:
+        relay.read({child.sentinel: 7}, lambda: False)
+    assert raised.value.worker_id == 7
+    assert STALL <= time.monotonic() - began < STALL + 3
+    _ipc.close_queue(queue)  # the last writer's end closes: the stuck relay thread ends
+    deadline = time.monotonic() + 5
+    while _relay_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _relay_threads() == []
+
+
+def _write_half_a_message(fd: int) -> None:
+    os.write(fd, struct.pack("!i", 1 << 20) + b"x" * 1000)
+
+
+@pytest.mark.timeout(30)
+def test_no_relay_thread_while_workers_are_forked():
+    queue = FORK.Queue()
+    relay = RelayReader(queue)
+    try:
+        relay.fd  # noqa: B018 - waiting on it starts the thread
+        assert len(_relay_threads()) == 1
+        with paused_for_fork():
+            assert _relay_threads() == []
+        relay.fd  # noqa: B018
+        assert len(_relay_threads()) == 1
+    finally:
+        _ipc.close_queue(queue)
+
+
+def test_portable_watchdog_watches_the_main_process_without_signals(portable, monkeypatch):
+    from torchfeed import _worker
+
+    other = FORK.Process(target=time.sleep, args=(30,))
+    other.start()
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "kill", _refuse_kill)  # Windows: os.kill(pid, 0) is a Ctrl-C
+            assert _worker._main_process_alive(other.pid, os.getppid())
+    finally:
+        other.kill()
+        other.join(5)
+    monkeypatch.setattr(os, "kill", _refuse_kill)
+    assert not _worker._main_process_alive(other.pid, os.getppid())
+    assert not _worker._main_process_alive(os.getpid(), os.getppid() + 1)  # reparented
+
+
+def _refuse_kill(pid, sig):
+    raise AssertionError(f"os.kill({pid}, {sig}) on the portable backend")

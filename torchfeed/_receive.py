@@ -30,7 +30,7 @@ import collections
 import pickle
 
 from ._errors import WorkerFailure
-from ._ipc import HalfMessage, MessageReader, Stopped, wait_ready
+from ._ipc import HalfMessage, Stopped, result_reader, wait_ready
 from ._protocol import IterableExhausted
 from ._transport import fd_exhaustion_error
 
@@ -51,7 +51,7 @@ class ResultReceiver:
     """The next result off the result queue, or the death of a worker that owes one."""
 
     def __init__(self, result_queue, unpacker, stats, workers: list, worker_active: list):
-        self.messages = MessageReader(result_queue)
+        self.messages = result_reader(result_queue)  # this host's backend (_ipc)
         self.unpacker = unpacker
         self.stats = stats
         self.workers = workers                # a restarted worker replaces its own entry
