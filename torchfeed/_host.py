@@ -129,7 +129,7 @@ def fd_backend() -> bool:
 
 
 def capabilities() -> dict[str, bool]:
-    """Every flag, by name (``python -m torchfeed._host`` prints them)."""
+    """Every flag, by name."""
     return {name: value for name, value in globals().items()
             if (name.startswith("HAS_") or name in ("SHM_SLOTS", "SHARED_CONTAINERS"))
             and isinstance(value, bool)}
@@ -155,8 +155,10 @@ def unsupported(what: str, why: str, instead: str) -> ValueError:
                       f"{instead}")
 
 
-if __name__ == "__main__":
-    print(f"platform: {PLATFORM} (sys.platform {sys.platform!r})")
-    for flag, value in capabilities().items():
-        print(f"{flag:22} {value}")
-    print(f"{'fd_backend()':22} {fd_backend()}")
+def report() -> str:
+    """The flags for a person to read (CI logs: ``python -c "from torchfeed import
+    _host; print(_host.report())"``)."""
+    lines = [f"platform: {PLATFORM} (sys.platform {sys.platform!r})"]
+    lines += [f"{flag:22} {value}" for flag, value in capabilities().items()]
+    lines.append(f"{'fd_backend()':22} {fd_backend()}")
+    return "\n".join(lines)
