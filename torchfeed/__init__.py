@@ -7,6 +7,7 @@ Everything public is re-exported here; the modules behind it are private.
 from torch.utils.data import default_collate, default_convert, get_worker_info
 from torch.utils.data._utils.worker import WorkerInfo
 
+from ._host import PlatformFallbackWarning
 from ._share import SharedMapping, SharedSequence, share
 from .dataloader import DataLoader
 from .distributed import DistributedSampler
@@ -15,6 +16,7 @@ from .frameworks import prepare
 __all__ = [
     "DataLoader",
     "DistributedSampler",
+    "PlatformFallbackWarning",
     "SharedMapping",
     "SharedSequence",
     "WorkerInfo",
