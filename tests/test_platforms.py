@@ -185,8 +185,12 @@ def test_relay_is_readable_exactly_while_a_message_waits():
     queue = FORK.Queue()
     relay = RelayReader(queue)
     try:
-        assert wait_ready([relay.fd], 0.2) == []
+        assert not relay.started()
         queue.put("first")
+        deadline = time.monotonic() + 5
+        while not relay.started() and time.monotonic() < deadline:  # in the pipe, no relay yet
+            time.sleep(0.01)
+        assert relay.started() and _relay_threads() == []
         queue.put("second")
         assert wait_ready([relay.fd], 5) == [relay.fd]
         deadline = time.monotonic() + 5

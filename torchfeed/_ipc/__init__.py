@@ -23,7 +23,11 @@ portable one (Windows, whose pipes are handles and which has no ``poll``, or
 ``TORCHFEED_PORTABLE=1`` anywhere) writes through the queues' own ``put``
 (their feeder threads), reads results through ``RelayReader`` and waits with
 ``multiprocessing.connection.wait``.  Both keep the wire format, so a process
-of one backend talks to a process of the other.
+of one backend talks to a process of the other.  What the portable backend
+gives up where it is forced on a POSIX host: its index queues' feeder threads
+(multiprocessing's, as in torch's loader) are alive when a restarted worker is
+forked (Windows, which needs the backend, has no fork), and the test-only fault
+hook's kill points in the direct writes (``tests/faults``) are never reached.
 """
 from __future__ import annotations
 

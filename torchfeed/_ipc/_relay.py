@@ -74,8 +74,15 @@ class RelayReader:
         return bool(self._inbox)
 
     def started(self) -> bool:
-        """A message has begun to arrive (whole, or part-way through the relay)."""
-        return bool(self._inbox) or self._midway
+        """A message has begun to arrive: in the inbox, part-way through the
+        relay, or in the pipe still (the thread is between reads, or stopped:
+        a restart's drain must see those too).  ``poll`` reads nothing."""
+        if self._inbox or self._midway:
+            return True
+        try:
+            return not self.closed and self._conn.poll(0)
+        except (OSError, EOFError):
+            return False
 
     def read(self, sentinels: dict, stopping, dead: int | None = None,
              ready: bool = False) -> bytes:
