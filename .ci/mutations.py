@@ -217,6 +217,35 @@ MUTATIONS = (
         "                if False:\n",
         ("tests/faults/test_faults_half_message.py::"
          "test_worker_killed_mid_write_never_hangs[spawn-quiet-sentinel]",)),
+    Mutation(
+        "host-name-at-import", "platforms: a name Windows lacks (signal.SIGBUS) is used while "
+        "torchfeed is imported",
+        "torchfeed/_errors.py",
+        '_SIGBUS = getattr(signal, "SIGBUS", None)\n',
+        "_SIGBUS = signal.SIGBUS\n",
+        ("tests/test_host_names.py::test_no_host_only_name_used_at_import",)),
+    Mutation(
+        "shm-default-without-slots", "platforms: the default transport is 'shm' where the "
+        "slots cannot exist, so loader.transport and stats() name what does not run",
+        "torchfeed/_options.py",
+        "        if _host.SHM_SLOTS:\n            return \"shm\"\n",
+        "        return \"shm\"\n",
+        ("tests/test_platforms.py::test_without_slots_the_transport_is_torchs_and_says_so",)),
+    Mutation(
+        "relay-leftover-token", "portable backend: the relay's pipe stays readable after its "
+        "messages are taken, so a wait wakes for nothing and outlives its timeout",
+        "torchfeed/_ipc/_relay.py",
+        "                    if len(inbox) == 1:\n                        wake.send_bytes(_TOKEN)",
+        "                    wake.send_bytes(_TOKEN)",
+        ("tests/test_platforms.py::test_relay_is_readable_exactly_while_a_message_waits",)),
+    Mutation(
+        "watchdog-os-kill-anywhere", "portable backend: the workers' watchdog checks the main "
+        "process with os.kill(pid, 0), a Ctrl-C on Windows",
+        "torchfeed/_worker.py",
+        "    if not _host.HAS_POSIX_SIGNALS or not _host.fd_backend():\n"
+        "        return _watched(main_pid).is_running()\n",
+        "",
+        ("tests/test_platforms.py::test_portable_watchdog_watches_the_main_process_without_signals",)),
 )
 
 

@@ -1,11 +1,14 @@
 """A round trip through ``torchfeed/_ipc`` under any CPython, without torch.
 
-``python tests/ipc_roundtrip.py REPO_ROOT`` loads the package by its path (it
-imports only the standard library), so it runs under interpreters that have
-no torch: this is how ``_ipc/_mp_queue.py``'s list of checked Python versions
-was run.  For each start method, one worker process reads its index queue
-(``Queue.get``, as the real worker) and answers through ``ResultWriter``; the
-main side writes through ``IndexQueue`` and reads through ``MessageReader``.
+``python tests/ipc_roundtrip.py REPO_ROOT`` loads ``_ipc`` and ``_host`` by
+their path, as modules of a ``torchfeed`` package whose ``__init__`` (which
+imports torch) never runs: both import only the standard library, so this
+runs under interpreters that have no torch; this is how ``_ipc/_mp_queue.py``'s
+list of checked Python versions was run.  For each backend (the fd one, and
+the portable one, ``TORCHFEED_PORTABLE=1``) and each start method, one worker
+process reads its index queue (``Queue.get``, as the real worker) and answers
+through ``ResultWriter``; the main side writes through ``IndexQueue`` and
+reads through ``result_reader`` (``MessageReader``, ``RelayReader``).
 Both directions cross from direct writes to the feeder thread mid-stream (a
 task, then a result, bigger than ``PIPE_BUF``), so messages of both writers and
 of both feeders must arrive whole and in order, and each queue's size
@@ -16,19 +19,23 @@ import multiprocessing as mp
 import os
 import pickle
 import sys
+import types
 
-sys.path.insert(0, os.path.join(sys.argv[1], "torchfeed"))
-import _ipc  # noqa: E402
-from _ipc._framing import PIPE_BUF  # noqa: E402
-from _ipc._mp_queue import size_semaphore  # noqa: E402
+if "torchfeed" not in sys.modules:  # a package whose __init__ (torch) is never run
+    _package = types.ModuleType("torchfeed")
+    _package.__path__ = [os.path.join(os.path.abspath(sys.argv[1]), "torchfeed")]
+    sys.modules["torchfeed"] = _package
+from torchfeed import _host, _ipc  # noqa: E402
+from torchfeed._ipc._framing import PIPE_BUF  # noqa: E402
+from torchfeed._ipc._mp_queue import size_semaphore  # noqa: E402
 
 
 def worker(index_q, result_q):
     _ipc.become_write_only(result_q)
     writer = _ipc.ResultWriter(result_q)
-    fds = [_ipc.reader_fd(index_q)]
+    ready = _ipc.reader_ready(index_q)
     while True:
-        if not _ipc.wait_ready(fds, 0.25):
+        if not ready(0.25):
             continue
         task = index_q.get()
         if task is None:
@@ -46,7 +53,8 @@ def round_trip(method: str) -> None:
     index_q = _ipc.IndexQueue(ctx)
     process = ctx.Process(target=worker, args=(index_q.queue, result_q), daemon=True)
     process.start()
-    reader = _ipc.MessageReader(result_q)
+    reader = _ipc.result_reader(result_q)
+    assert isinstance(reader, _ipc.MessageReader if _host.fd_backend() else _ipc.RelayReader)
     sizes = [10, 100, 2 * PIPE_BUF, 20, 50 * PIPE_BUF, 3]
     for n in sizes:
         index_q.put(n)
@@ -63,8 +71,9 @@ def round_trip(method: str) -> None:
     process.join(30)
     assert process.exitcode == 0, (method, process.exitcode)
     lock = _ipc.write_lock(result_q)
-    assert lock.acquire(timeout=1), "a writer left the result queue's write lock taken"
-    lock.release()
+    if lock is not None:  # Windows has none
+        assert lock.acquire(timeout=1), "a writer left the result queue's write lock taken"
+        lock.release()
     index_q.close()
     _ipc.close_queue(result_q)
     for q in (result_q, index_q.queue):
@@ -76,6 +85,8 @@ def round_trip(method: str) -> None:
 
 
 if __name__ == "__main__":
-    for method in ("fork", "spawn", "forkserver"):
-        round_trip(method)
+    for portable in ("0", "1"):
+        os.environ[_host.PORTABLE_ENV] = portable  # the workers inherit it
+        for method in mp.get_all_start_methods():
+            round_trip(method)
     print(f"{sys.version.split()[0]}: round trip ok")

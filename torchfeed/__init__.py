@@ -7,7 +7,9 @@ Everything public is re-exported here; the modules behind it are private.
 from torch.utils.data import default_collate, default_convert, get_worker_info
 from torch.utils.data._utils.worker import WorkerInfo
 
+from ._host import PlatformFallbackWarning
 from ._share import SharedMapping, SharedSequence, share
+from ._transport._packer import ShmFallbackWarning
 from .dataloader import DataLoader
 from .distributed import DistributedSampler
 from .frameworks import prepare
@@ -15,8 +17,10 @@ from .frameworks import prepare
 __all__ = [
     "DataLoader",
     "DistributedSampler",
+    "PlatformFallbackWarning",
     "SharedMapping",
     "SharedSequence",
+    "ShmFallbackWarning",
     "WorkerInfo",
     "default_collate",
     "default_convert",

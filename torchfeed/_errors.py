@@ -206,6 +206,22 @@ def explain_lookup_error(exc: LookupError, dataset, index, batched: bool = False
                  f"in [0, {n}).")
 
 
+def explain_start_method(exc: ValueError, method) -> None:
+    """torch's ValueError for a ``multiprocessing_context`` this host does not
+    have ('fork' on Windows), with a note naming the host and what to use."""
+    import multiprocessing
+
+    from . import _host
+
+    methods = multiprocessing.get_all_start_methods()
+    if not isinstance(method, str) or method in methods:
+        return
+    add_note(exc, f"torchfeed: {_host.PLATFORM} has the start methods {', '.join(methods)} "
+                  f"only; '{method}' cannot be used here. Use "
+                  f"multiprocessing_context='{methods[0]}' (or leave it unset: the platform's "
+                  "default).")
+
+
 def nested_worker_error(num_workers: int) -> AssertionError | None:
     """A loader with workers, iterated in a process that cannot have children
     (a DataLoader worker is daemonic): torch fails with multiprocessing's
@@ -227,18 +243,18 @@ def nested_worker_error(num_workers: int) -> AssertionError | None:
         "loads in this worker, which already runs in parallel with the others.")
 
 
-_SIGNAL_HINTS: dict[int, str] = {  # signal.Signals keys: IntEnum, equal to the int
-    signal.SIGKILL: (
+_HINTS_BY_SIGNAL = {  # by name: Windows has no SIGKILL or SIGBUS
+    "SIGKILL": (
         "SIGKILL is almost always the kernel's out-of-memory killer. Check `dmesg` "
         "(or `journalctl -k`) for 'Out of memory: Killed process', then lower "
         "batch_size, num_workers or prefetch_factor, or make samples smaller."
     ),
-    signal.SIGSEGV: (
+    "SIGSEGV": (
         "SIGSEGV is a crash inside native code (a C extension, a corrupt file handed "
         "to a decoder, or a library that is not fork-safe). Run with num_workers=0 "
         "to get the crash in the main process, or try multiprocessing_context='spawn'."
     ),
-    signal.SIGBUS: (
+    "SIGBUS": (
         "SIGBUS usually means shared memory ran out. Batches sent through torch's "
         "transport (transport='torch', or those that fell back with a ShmFallbackWarning) "
         "live in /dev/shm: if it is too small (Docker's default is 64 MB), start the "
@@ -246,12 +262,16 @@ _SIGNAL_HINTS: dict[int, str] = {  # signal.Signals keys: IntEnum, equal to the 
         "for them memory itself ran out. Either way, lower batch_size or prefetch_factor "
         "helps."
     ),
-    signal.SIGABRT: (
+    "SIGABRT": (
         "SIGABRT is an abort() in native code, often a failed assertion in a C "
         "library; the worker's stderr above usually says which."
     ),
-    signal.SIGTERM: "SIGTERM means something outside the loader asked the worker to stop.",
+    "SIGTERM": "SIGTERM means something outside the loader asked the worker to stop.",
 }
+# signal.Signals keys (IntEnum, equal to the int), for the signals this host has
+_SIGNAL_HINTS: dict[int, str] = {getattr(signal, name): hint for name, hint in _HINTS_BY_SIGNAL.items()
+                                 if hasattr(signal, name)}
+_SIGBUS = getattr(signal, "SIGBUS", None)
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -280,7 +300,7 @@ def torch_exit_sentence(pid, exitcode: int | None) -> str | None:
     except ValueError:
         name = f"Unknown signal {-exitcode}"
     sentence = f"DataLoader worker (pid {pid}) is killed by signal: {name}. "
-    if -exitcode == signal.SIGBUS:
+    if -exitcode == _SIGBUS:
         sentence += ("It is possible that dataloader's workers are out of shared memory. "
                      "Please try to raise your shared memory limit.")
     return sentence

@@ -42,6 +42,8 @@ import signal
 import threading
 import warnings
 
+from . import _host
+
 ENV = "TORCHFEED_TEST_DIE_HOLDING"
 ARMED_ENV = "TORCHFEED_TEST_FAULTS_ARMED"  # "1": the test suite's second switch
 KINDS = ("stop-flag", "index-lock", "result-sem", "result-lock", "result-lock-written",
@@ -104,6 +106,8 @@ def _die(what: str = "") -> None:
     os.write(2, (f"torchfeed: worker pid {os.getpid()} kills itself with SIGKILL: the "
                  f"test-only fault hook {ENV}={os.environ.get(ENV, '')!r} "
                  f"({ARMED_ENV}=1) fired at {what!r}.\n").encode())
+    if not _host.HAS_POSIX_SIGNALS:
+        os._exit(137)  # no SIGKILL here: the closest end
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -207,4 +211,5 @@ def install(spec, worker_id: int, index_queue, result_queue, results, packer) ->
             if _stack_dump._installed is not None:
                 os.write(_stack_dump._installed.fileno(), b"Thread 0x0001 (most recent call first):\n")
             countdown.tick()
-        signal.signal(signal.SIGUSR1, half_a_dump)
+        if _host.HAS_STACK_DUMPS:
+            signal.signal(signal.SIGUSR1, half_a_dump)

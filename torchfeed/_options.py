@@ -6,23 +6,46 @@ from __future__ import annotations
 
 import os
 
+from . import _host
+
 TRANSPORTS = ("shm", "torch")
 TRANSPORT_ENV = "TORCHFEED_TRANSPORT"
 LOG_EVERY_ENV = "TORCHFEED_LOG_EVERY"
 
 
-def resolve_transport(transport: str | None = None) -> str:
-    """The transport to use: ``transport``, else ``$TORCHFEED_TRANSPORT``, else ``"shm"``."""
+def resolve_transport(transport: str | None = None, num_workers: int = 0) -> str:
+    """The transport to use: ``transport``, else ``$TORCHFEED_TRANSPORT``, else
+    ``"shm"`` where the host has the slots (``_host.SHM_SLOTS``: Linux) and
+    ``"torch"`` elsewhere, which a loader with workers says once.  ``"shm"``
+    asked for where the slots cannot exist is an error that names the host."""
     source = "transport"
     if transport is None:
-        transport = os.environ.get(TRANSPORT_ENV) or "shm"
+        transport = os.environ.get(TRANSPORT_ENV) or None
         source = f"the {TRANSPORT_ENV} environment variable"
+    if transport is None:
+        if _host.SHM_SLOTS:
+            return "shm"
+        if num_workers:
+            _host.tell_once("transport", _TORCH_HERE, stacklevel=5)
+        return "torch"
     if transport not in TRANSPORTS:
         raise ValueError(
             f"{source} must be one of {', '.join(map(repr, TRANSPORTS))}, but got "
             f"{transport!r}. Use 'shm' (the default, shared-memory slots) or 'torch' "
             "(torch's own transport, for comparison and debugging).")
+    if transport == "shm" and not _host.SHM_SLOTS:
+        raise _host.unsupported(
+            f"{source}='shm'", "its shared-memory slots need Linux's memfd_create, fallocate "
+            "and MADV_REMOVE",
+            "Leave it unset (batches then go through torch's transport, as with torch's "
+            "DataLoader) or use 'torch'.")
     return transport
+
+
+_TORCH_HERE = ("batches go through torch's own transport (transport='torch'), as with torch's "
+               "DataLoader: torchfeed's shared-memory slots need Linux's memfd_create, "
+               "fallocate and MADV_REMOVE. loader.transport and stats()['transport'] say "
+               "'torch'; everything else (resume, errors, stats) is torchfeed's.")
 
 
 def validate_options(*, seed_per_batch, snapshot_every_n_steps, share_dataset=False) -> None:
@@ -78,6 +101,13 @@ def validate_max_worker_restarts(max_worker_restarts, dataset) -> None:
         raise ValueError(f"max_worker_restarts must be a non-negative int, but got "
                          f"{max_worker_restarts!r}. Use 0 (the default) for torch's behaviour: "
                          "a dead worker is an error.")
+    if max_worker_restarts and not _host.HAS_POSIX_SIGNALS:
+        raise _host.unsupported(
+            f"max_worker_restarts={max_worker_restarts}",
+            "it restarts workers killed by a signal (the OOM killer's SIGKILL, a segfault), and "
+            "here a process ends with an exit code, never a signal, so a crash cannot be told "
+            "from a worker that chose to exit",
+            "Use max_worker_restarts=0 (torch's behaviour: a dead worker is an error).")
     if max_worker_restarts and isinstance(dataset, IterableDataset):
         raise ValueError(
             f"max_worker_restarts={max_worker_restarts} cannot be used with an IterableDataset: "

@@ -6,8 +6,9 @@ and only while ``_alone_for_fork`` holds: torch's loader forks its workers
 with only the main thread alive, and a fork from a process with threads can
 deadlock the child on a lock another thread held (Python 3.12 warns at every
 such fork).  Before the fork it waits for a running reading of the workers'
-memory (``_worker_costs.finish_readings``), runs the page-locked slots'
-pending releases and ends their thread (``_releaser.Releaser.no_thread``,
+memory (``_worker_costs.finish_readings``), stops the portable backend's relay
+threads (``_ipc.paused_for_fork``; they restart on the next wait), runs the
+page-locked slots' pending releases and ends their thread (``_releaser.Releaser.no_thread``,
 which starts no new one until the fork is done: a release deferred
 meanwhile waits), and says once if the test-only fault hook is set in vain
 (``_fault_hook.report_misuse``).  The iterator's own pin-memory thread is
@@ -57,7 +58,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.machinery
-import multiprocessing.forkserver
 import os
 import pickle
 import site
@@ -68,7 +68,7 @@ import warnings
 import weakref
 
 from . import _fault_hook, _worker_tempdir
-from ._ipc import IndexQueue, join_process
+from ._ipc import IndexQueue, join_process, paused_for_fork
 from ._pickling import describe_unpicklable
 from ._stack_dump import StackPipe
 from ._torch_compat import WARNS_OF_PICKLE_ERROR
@@ -100,7 +100,7 @@ def _alone_for_fork():
     _fault_hook.report_misuse()
     finish_readings()
     releaser = _page_lock.releaser
-    with releaser.no_thread():
+    with paused_for_fork(), releaser.no_thread():
         if releaser.running():
             warnings.warn("torchfeed: forking a DataLoader worker while the thread that gives "
                           "page-locked slots back still runs: a copy to the GPU from a slot "
@@ -176,6 +176,8 @@ def launched_at(process) -> float | None:
 
 
 def _forkserver():
+    import multiprocessing.forkserver  # only where the method is used: Windows has none
+
     return multiprocessing.forkserver._forkserver
 
 

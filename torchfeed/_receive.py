@@ -16,7 +16,7 @@ sets ``stopped`` when it shuts down.
 NOTE [ Waiting without hanging ]
 The main process never blocks on the result queue alone.  It waits on the
 queue's pipe *and* every worker's process sentinel at once
-(one ``poll``, see ``_ipc.wait_ready``), so a worker that dies from SIGKILL, a
+(one wait, see ``_ipc.wait_ready``), so a worker that dies from SIGKILL, a
 segfault or ``os._exit`` wakes it immediately, and the error names that
 worker's pid, its signal or exit code and the batches it had in flight.
 torch instead polls every 5 seconds and relies on a SIGCHLD handler.  A
@@ -34,7 +34,7 @@ import collections
 import pickle
 
 from ._errors import WorkerFailure
-from ._ipc import HalfMessage, MessageReader, Stopped, join_process, wait_ready
+from ._ipc import HalfMessage, Stopped, join_process, result_reader, wait_ready
 from ._protocol import IterableExhausted
 from ._transport import fd_exhaustion_error
 
@@ -55,7 +55,7 @@ class ResultReceiver:
     """The next result off the result queue, or the death of a worker that owes one."""
 
     def __init__(self, result_queue, unpacker, stats, workers: list, worker_active: list):
-        self.messages = MessageReader(result_queue)
+        self.messages = result_reader(result_queue)  # this host's backend (_ipc)
         self.unpacker = unpacker
         self.stats = stats
         self.workers = workers                # a restarted worker replaces its own entry

@@ -40,7 +40,9 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from . import _host
 from ._processes import start_forkserver_now
+from ._share import _buffer as _share_buffer
 from ._share import is_shared, share
 from ._transport._space import human
 
@@ -150,6 +152,13 @@ def share_once(loader, keep_originals: bool = False) -> list:
     With ``keep_originals``, returns the replaced objects, which then live
     until the caller drops the list (``[]`` otherwise)."""
     if not sharing_pending(loader):
+        return []
+    if not _host.SHARED_CONTAINERS:
+        _host.tell_once("share_dataset", "share_dataset=True shares nothing here: "
+                        f"{_share_buffer.supported()}. Each worker holds its own copy of the "
+                        "dataset, as with torch's DataLoader; stats() names the large "
+                        "attributes copied.", stacklevel=5)
+        loader.__dict__["_shared_attributes"] = []
         return []
     originals: list | None = [] if keep_originals else None
     loader.__dict__["_shared_attributes"] = share_dataset(loader.dataset, originals)

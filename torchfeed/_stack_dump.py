@@ -18,6 +18,10 @@ faulthandler's handler is a C signal handler: it dumps the stacks even while
 the worker is blocked in a system call or in native code, or holds the GIL in
 a loop.  A pipe, not a file, carries the dump, so nothing is left on disk;
 the main process closes its end of every pipe at shutdown.
+
+Windows has no SIGUSR1 and no ``faulthandler.register`` (``_host.HAS_STACK_DUMPS``):
+there no pipe is made, and the timeout error says, instead of the stacks, that
+this platform cannot give them: torch's message, with what was awaited.
 """
 from __future__ import annotations
 
@@ -25,34 +29,42 @@ import faulthandler
 import os
 import signal
 import time
+from typing import Any
 
+from . import _host
 from ._errors import describe_samples
 from ._protocol import TaskInfo
 
-DUMP_SIGNAL = signal.SIGUSR1
 FIRST_BYTE_WAIT = 1.0  # how long a signalled worker has to start its dump
 QUIET = 0.1            # a dump is complete once its pipe has been quiet this long
 MAX_DUMP = 1 << 16     # the pipe's own capacity: faulthandler never writes more
 READY = b"\0"          # a worker's first byte: its handler is installed
 STARTING = "starting"  # collect_dumps' answer for a worker not yet ready
+UNAVAILABLE = "unavailable"  # collect_dumps' answer where the host cannot dump stacks
 
 _installed = None  # the worker's write end, kept alive while faulthandler uses its fd
 
 
 class StackPipe:
-    """The main process's end of one worker's dump pipe."""
+    """The main process's end of one worker's dump pipe (none where the host
+    cannot dump stacks: ``reader`` and ``writer`` are None)."""
 
     def __init__(self, ctx) -> None:
-        self.reader, self.writer = ctx.Pipe(duplex=False)
+        self.reader: Any = None
+        self.writer: Any = None
+        if _host.HAS_STACK_DUMPS:
+            self.reader, self.writer = ctx.Pipe(duplex=False)
         self.ready = False  # the worker has said its handler is installed
 
     def started(self) -> None:
         """The worker has its copy of the write end; the main needs none."""
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
     def close(self) -> None:
-        self.reader.close()
-        self.writer.close()
+        if self.reader is not None:
+            self.reader.close()
+            self.writer.close()
 
     def _drain(self) -> tuple[bytes, bool]:
         """What the pipe holds now, without waiting, and whether it is at EOF."""
@@ -72,13 +84,15 @@ class StackPipe:
         """Signal the worker to dump its stacks; False if it is not ready for
         that (or gone).  Whatever the pipe holds (the ready byte, the rest of
         an earlier dump) is read first, so the answer starts clean."""
+        if not _host.HAS_STACK_DUMPS:
+            return False
         data, eof = self._drain()
         if READY in data:
             self.ready = True
         if not self.ready or eof:
             return False
         try:
-            os.kill(pid, DUMP_SIGNAL)
+            os.kill(pid, signal.SIGUSR1)
             return True
         except (ProcessLookupError, PermissionError):
             return False
@@ -103,10 +117,12 @@ class StackPipe:
 def install(writer) -> None:
     """In the worker: dump all threads' stacks into ``writer`` on SIGUSR1."""
     global _installed
+    if not _host.HAS_STACK_DUMPS:
+        return
     if writer is None:
         return
     _installed = writer
-    faulthandler.register(DUMP_SIGNAL, file=writer.fileno(), all_threads=True, chain=False)
+    faulthandler.register(signal.SIGUSR1, file=writer.fileno(), all_threads=True, chain=False)
     try:
         os.write(writer.fileno(), READY)  # from now on a SIGUSR1 is safe
     except OSError:
@@ -152,7 +168,10 @@ def describe_timeout(timeout: float, awaited: list[tuple], dumps: dict[int, str 
     starting = False
     for worker_id, pid, _, _ in awaited:
         dump = dumps.get(worker_id)
-        if dump == STARTING:
+        if dump == UNAVAILABLE:
+            lines.append(f"Python stacks of worker {worker_id} (pid {pid}) are not available on "
+                         f"{_host.PLATFORM}, which has no SIGUSR1 for faulthandler.register.")
+        elif dump == STARTING:
             starting = True
             lines.append(f"worker {worker_id} (pid {pid}) was still starting: it had not "
                          "reached the dataset yet (importing modules, or unpickling the "
@@ -162,9 +181,13 @@ def describe_timeout(timeout: float, awaited: list[tuple], dumps: dict[int, str 
                          f"expired, most recent call first:\n{_trim(dump)}")
         else:
             lines.append(f"Worker {worker_id} (pid {pid}) did not answer the request for its "
-                         f"stacks ({DUMP_SIGNAL.name}) within {FIRST_BYTE_WAIT:g} s; it may be "
+                         f"stacks (SIGUSR1) within {FIRST_BYTE_WAIT:g} s; it may be "
                          "stuck with signals blocked, or have replaced the handler.")
-    if starting:
+    if any(dumps.get(w) == UNAVAILABLE for w, _, _, _ in awaited):
+        lines.append(f"Hint: a deadlock, a read from disk or network that never returns, or a "
+                     f"sample that takes longer than timeout={timeout} to load. Run with "
+                     f"num_workers=0 to see where it is stuck, or raise timeout.")
+    elif starting:
         lines.append(f"Hint: a worker that is still starting when timeout={timeout} expires "
                      "needs a longer timeout: timeout counts from iter(), and a worker started "
                      "with spawn or forkserver imports torch and unpickles the dataset first.")
@@ -192,7 +215,10 @@ def collect_dumps(requests: dict[int, tuple[StackPipe, int]]) -> dict[int, str |
     """Signal every ready worker first, then read the answers, so N stuck
     workers cost one wait, not N.  A worker that has not said it is ready is
     not signalled (the signal would kill it): its answer is ``STARTING``."""
-    asked, answers = {}, {}
+    asked: dict[int, StackPipe] = {}
+    answers: dict[int, str | None] = {}
+    if not _host.HAS_STACK_DUMPS:
+        return dict.fromkeys(requests, UNAVAILABLE)
     for w, (pipe, pid) in requests.items():
         if pipe.request(pid):
             asked[w] = pipe

@@ -12,7 +12,6 @@ command-line front end (:mod:`torchfeed.tune.__main__`).
 from __future__ import annotations
 
 import inspect
-import os
 import traceback
 from typing import Any, Sequence
 
@@ -23,7 +22,7 @@ from ._progress import Progress
 from ._stats_report import START_DOMINATES
 from ._torch_compat import TAKES_IN_ORDER
 from ._tuner_report import TuneResult, TuneRow, pyplot, recommend, workers_text
-from .bench.measure import cpu_count, time_loader
+from .bench.measure import cpu_count, load_average, time_loader
 from .dataloader import DataLoader as TorchfeedDataLoader
 
 _FEW_BATCHES = 5  # fewer batches than this in a setting's window: suggest more seconds
@@ -169,10 +168,7 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
     if plot is not None:
         pyplot()  # fail before minutes of measuring, not after
     cores = cpu_count()
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = 0.0
+    load = load_average() or 0.0
     max_workers = cores if max_workers is None else max_workers
     if max_workers < 0:
         raise ValueError(f"max_workers must be 0 or more, got {max_workers}")

@@ -44,11 +44,11 @@ import psutil
 import torch
 import torch.utils.data._utils.worker as _torch_worker
 
-from . import _fault_hook, _seeding, _stack_dump, _worker_tempdir
+from . import _fault_hook, _host, _seeding, _stack_dump, _worker_tempdir
 from ._datapipes import seed_graph, shard_graph
 from ._errors import WorkerFailure, add_note
 from ._fetch import create_fetcher
-from ._ipc import ResultWriter, Stopped, become_write_only, reader_fd, wait_ready
+from ._ipc import ResultWriter, Stopped, become_write_only, reader_ready
 from ._pickling import describe_unpicklable, find_unpicklable
 from ._protocol import IterableExhausted, ResumeIteration, StatefulResult, Task, WorkerResume
 from ._stateful import StateTaker, take_state
@@ -84,8 +84,18 @@ class WorkerSpec:
 
 
 def _main_process_alive(main_pid: int, parent_pid: int) -> bool:
+    """Whether the process that started this worker's iterator is alive.
+
+    Its child is reparented when it dies (POSIX); and ``os.kill(pid, 0)``
+    finds a main process that is not the parent (forkserver's workers).  Where
+    signals are not POSIX's (Windows, where ``os.kill(pid, 0)`` sends Ctrl-C
+    and nothing is reparented) and on the portable backend, psutil watches the
+    main process itself, by pid and creation time so that a reused pid is not
+    taken for it."""
     if os.getppid() != parent_pid:
         return False
+    if not _host.HAS_POSIX_SIGNALS or not _host.fd_backend():
+        return _watched(main_pid).is_running()
     try:
         os.kill(main_pid, 0)
     except ProcessLookupError:
@@ -93,6 +103,29 @@ def _main_process_alive(main_pid: int, parent_pid: int) -> bool:
     except PermissionError:
         pass
     return True
+
+
+class _Gone:
+    """What ``_watched`` gives for a process already gone."""
+
+    @staticmethod
+    def is_running() -> bool:
+        return False
+
+
+_watching: dict = {}
+
+
+def _watched(pid: int):
+    """``psutil.Process(pid)``, made once: it holds the process's creation time."""
+    process = _watching.get(pid)
+    if process is None:
+        try:
+            process = psutil.Process(pid)
+        except psutil.Error:
+            process = _Gone()
+        _watching[pid] = process
+    return process
 
 
 def _watch_main_process(main_pid: int, parent_pid: int, temp_dir: str | None,
@@ -241,7 +274,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
     results = ResultWriter(result_queue, spec.stopping.is_set)
     if _fault_hook.ENV in os.environ:  # tests only: die holding a primitive (read once)
         _fault_hook.install(spec, worker_id, index_queue, result_queue, results, packer)
-    index_fds = [reader_fd(index_queue)]
+    task_ready = reader_ready(index_queue)
     plain_tuples = packer.plain_tuples
     # Sent with the first message, and with the USS with the second: reading
     # it walks the page tables of everything inherited (tens to hundreds of
@@ -256,7 +289,7 @@ def worker_loop(spec: WorkerSpec, worker_id: int, index_queue, result_queue, cha
             # Queue.get(timeout=...) builds and tears down a selector per call;
             # a cached poll, then a blocking get of the message now in the
             # pipe, costs a fraction of that per task.
-            if not wait_ready(index_fds, POLL_INTERVAL):
+            if not task_ready(POLL_INTERVAL):
                 if not _main_process_alive(spec.main_pid, parent_pid):
                     break
                 continue

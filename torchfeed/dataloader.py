@@ -19,7 +19,7 @@ import torch.utils.data
 
 from . import _state
 from ._device import validate_device
-from ._errors import nested_worker_error
+from ._errors import explain_start_method, nested_worker_error
 from ._iterator_base import BaseIterator
 from ._multiprocess import MultiProcessIterator
 from ._options import resolve_log_every, resolve_transport, validate_max_worker_restarts, validate_options
@@ -130,14 +130,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                  snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0,
                  device=None, share_dataset=False):
         releases_only = {} if in_order is _NOT_GIVEN else {"in_order": in_order}
-        super().__init__(
-            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
-            batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
-            pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
-            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-            generator=generator, prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
-            **releases_only)
+        try:
+            super().__init__(
+                dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+                pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+                worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                generator=generator, prefetch_factor=prefetch_factor,
+                persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
+                **releases_only)
+        except ValueError as exc:
+            explain_start_method(exc, multiprocessing_context)
+            raise
         self._set_options(dataset, transport, seed_per_batch, snapshot_every_n_steps,
                           log_every, max_worker_restarts, device, share_dataset)
 
@@ -147,7 +151,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                          snapshot_every_n_steps=snapshot_every_n_steps,
                          share_dataset=share_dataset)
         self.share_dataset = share_dataset
-        self.transport = resolve_transport(transport)
+        self.transport = resolve_transport(transport, self.num_workers)
         self.seed_per_batch = seed_per_batch
         self.snapshot_every_n_steps = snapshot_every_n_steps
         validate_max_worker_restarts(max_worker_restarts, dataset)

@@ -19,6 +19,9 @@ every later message on that queue: once the feeder may hold messages, writing
 around it would reorder them (an IterableDataset's batches depend on the order
 of tasks) or interleave bytes with its write.  The main process is the only
 writer of an index queue, so no write lock is needed.
+
+The portable backend (``_host.fd_backend()`` false: Windows) writes every
+message through ``Queue.put``, as torch does.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
+from .. import _host
 from ._framing import PIPE_BUF, frame
 from ._mp_queue import close_queue, quiet_epipe, size_semaphore, writer_fd
 
@@ -45,11 +49,14 @@ class IndexQueue:
         self.queue = ctx.Queue()
         self.queue.cancel_join_thread()
         quiet_epipe(self.queue)  # a worker gone for good is no error of the feeder's
-        self._fd = writer_fd(self.queue)
-        os.set_blocking(self._fd, False)
         sem = size_semaphore(self.queue)
         self._take_slot, self._give_slot = sem.acquire, sem.release
-        self._direct = True
+        self._direct = _host.fd_backend()
+        self._fd = -1
+        if self._direct:
+            self._fd = writer_fd(self.queue)
+            if _host.HAS_RAW_FD_PIPES:
+                os.set_blocking(self._fd, False)
         self._closed = False  # only close() closes the queue
 
     def put(self, obj) -> None:
@@ -67,7 +74,8 @@ class IndexQueue:
                 except BlockingIOError:
                     self._give_slot()
             self._direct = False
-            os.set_blocking(self._fd, True)  # the feeder thread's writes block
+            if _host.HAS_RAW_FD_PIPES:
+                os.set_blocking(self._fd, True)  # the feeder thread's writes block
         self.queue.put(obj)
 
     def close(self) -> None:

@@ -35,6 +35,19 @@ def reader_fd(q) -> int:
     return q._reader.fileno()
 
 
+def reader_connection(q):
+    """The queue's read end, a ``Connection`` (a ``PipeConnection`` on Windows,
+    whose ``fileno()`` is a handle, not a descriptor)."""
+    return q._reader
+
+
+def close_writer(q) -> None:
+    """Close this process's write end of ``q`` (a queue it never writes to):
+    once every writer's end is closed, a reader blocked on the pipe gets
+    end-of-file."""
+    q._writer.close()
+
+
 def size_semaphore(q):
     """The queue's size bound: ``put`` acquires it and ``get`` releases it, so a
     writer that bypasses ``put`` acquires, and a reader that bypasses ``get``

@@ -23,12 +23,16 @@ notices that death and stops the workers; a writer waiting for the lock waits
 in slices and, once ``stopping()`` says so, raises ``Stopped`` instead of
 waiting for a lock that will never be released, so it exits on its ``None``
 like the others rather than being terminated.
+
+The portable backend (``_host.fd_backend()`` false: Windows) writes every
+result through ``Queue.put``, as torch does: its feeder thread takes the lock.
 """
 from __future__ import annotations
 
 import os
 import pickle
 
+from .. import _host
 from ._framing import PIPE_BUF, frame
 from ._mp_queue import size_semaphore, write_lock, writer_fd
 from ._pipe_reader import Stopped
@@ -38,11 +42,11 @@ from ._wait import WAIT_SLICE
 class ResultWriter:
     def __init__(self, result_queue, stopping=lambda: False) -> None:
         self.queue = result_queue
-        self._fd = writer_fd(result_queue)
+        self._direct = _host.fd_backend()
+        self._fd = writer_fd(result_queue) if self._direct else -1
         self._take_slot = size_semaphore(result_queue).acquire
         self._lock = write_lock(result_queue)
         self._stopping = stopping  # () -> bool: the main process is stopping the workers
-        self._direct = True
 
     def put(self, obj) -> None:
         if self._direct:

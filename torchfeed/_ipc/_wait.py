@@ -7,6 +7,12 @@ the main process is alive.  No wait anywhere in the main process is longer
 than ``WAIT_SLICE``, so timeouts, dead writers and stop requests are noticed
 within it.
 
+Two backends behind one call: file descriptors (ints) on a host with
+``poll`` go to one cached ``poll`` object; anything else (the portable
+backend's ``Connection`` objects, Windows' process handles) goes to
+``multiprocessing.connection.wait``, which takes both, on every platform
+(WaitForMultipleObjects on Windows).
+
 NOTE [ A sentinel held open ]
 A process's sentinel is the read end of a pipe whose write end only the
 process should hold, so that it becomes readable when the process ends.  But
@@ -22,9 +28,12 @@ one: every wait that watches sentinels also asks ``is_alive()`` (a
 from __future__ import annotations
 
 import math
+import multiprocessing.connection
 import select
 import threading
 import time
+
+from .. import _host
 
 WAIT_SLICE = 0.1   # longest single wait, so timeouts, dead writers and stop requests are noticed
 JOIN_SLICE = 0.05  # how often a join asks whether a process whose sentinel stays quiet is gone
@@ -33,13 +42,23 @@ _pollers = threading.local()
 
 
 def wait_ready(fds, timeout: float | None) -> list:
-    """The file descriptors among ``fds`` that are readable (or closed, or in
-    error), waiting up to ``timeout`` seconds: ``connection.wait`` for plain
-    fds, without building and tearing down a selector on every call, which is
-    most of its cost when it runs once or twice per batch.  One poll object per
-    thread and set of fds (a fd number reused by a new worker's sentinel means
-    the same to poll, so the cache needs no invalidation)."""
+    """The objects among ``fds`` that are readable (or closed, or in error),
+    waiting up to ``timeout`` seconds.
+
+    Plain fds where the host has ``poll``: ``connection.wait`` without
+    building and tearing down a selector on every call, which is most of its
+    cost when it runs once or twice per batch.  One poll object per thread and
+    set of fds (a fd number reused by a new worker's sentinel means the same to
+    poll, so the cache needs no invalidation).  Anything else: ``connection.wait``."""
     key = tuple(fds)
+    if not _host.HAS_POLL or not all(type(fd) is int for fd in key):
+        return multiprocessing.connection.wait(key, timeout)
+    return _poll(key, timeout)
+
+
+def _poll(key: tuple, timeout: float | None) -> list:
+    if not _host.HAS_POLL:
+        raise OSError(f"no poll on {_host.PLATFORM}")
     cache = getattr(_pollers, "cache", None)
     if cache is None:
         cache = _pollers.cache = {}

@@ -18,6 +18,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from .. import _host
 from . import _buffer, _ranks
 from ._arrays import SharedArray, share_array, share_tensor
 from ._mapping import SharedMapping, build_mapping
@@ -76,7 +77,7 @@ def share(obj, *, name: str | None = None, group=None):
     if group is not None and name is None:
         raise TypeError("torchfeed.share: group= shares across ranks under a name; pass "
                         "name= too (the same on every rank)")
-    if name is not None and _ranks.distributed(group):
+    if name is not None and _host.SHARED_CONTAINERS and _ranks.distributed(group):
         return _ranks.share_across_ranks(obj, name, group, share_here)
     return share_here(obj, name)
 
@@ -91,6 +92,11 @@ def share_here(obj, name: str | None):
         return share_here(made, name)
     why = _buffer.supported()
     if why is not None and not isinstance(obj, torch.Tensor):
+        if not _host.SHARED_CONTAINERS:  # macOS, Windows: as without torchfeed.share
+            _host.tell_once("share", f"torchfeed.share returns what it is given, unshared: {why}. "
+                                     "Each process that gets it keeps its own copy, as without "
+                                     "torchfeed.share (CPU tensors are still shared, by torch).")
+            return obj
         raise RuntimeError(why)
     kind = type(obj)
     if kind is list or kind is tuple:

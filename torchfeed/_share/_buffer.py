@@ -30,7 +30,6 @@ loads anywhere, into a new buffer.
 from __future__ import annotations
 
 import copyreg
-import fcntl
 import io
 import os
 import pickle
@@ -42,6 +41,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
+from .. import _host
 from .._transport import _arena
 
 MAGIC = b"TFSHARE1"
@@ -51,7 +51,6 @@ PICKLE_PROTOCOL = 5
 # Records are pickled into memory and moved into the memfd in pieces of about
 # this size, so building a buffer holds at most this much besides the buffer.
 FLUSH_BYTES = 32 << 20
-_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
 class Header(NamedTuple):
@@ -65,8 +64,9 @@ class Header(NamedTuple):
 
 def supported() -> str | None:
     """Why shared containers cannot be built here, or None."""
-    if not _arena.memfd_supported():
-        return "torchfeed.share needs memfd_create (Linux 3.17 or later)"
+    if not _host.SHARED_CONTAINERS:
+        return (f"torchfeed.share needs memfd_create and file seals (Linux 3.17 or later), "
+                f"which this host ({_host.PLATFORM}) lacks")
     if sys.byteorder != "little":
         return "torchfeed.share needs a little-endian machine"
     return None
@@ -84,7 +84,7 @@ class BufferWriter:
 
     def __init__(self, name: str | None):
         label = f"torchfeed-share-{name}" if name else "torchfeed-share"
-        self.fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.fd = _sealable_memfd(label)
         self._end = HEADER_BYTES
         self.offsets: np.ndarray = np.zeros(1, np.int64)
 
@@ -133,7 +133,7 @@ class BufferWriter:
                              index_at, sys.hash_info.modulus)
         _arena.write_at(self.fd, header, 0)
         os.ftruncate(self.fd, max(self._end, HEADER_BYTES))
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+        _seal(self.fd)
         fd, self.fd = self.fd, -1
         return SharedBuffer(fd, populate=True)
 
@@ -141,6 +141,22 @@ class BufferWriter:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _sealable_memfd(label: str) -> int:
+    if not _host.SHARED_CONTAINERS:
+        raise RuntimeError(supported())
+    return os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+
+
+def _seal(fd: int) -> None:
+    """No process may write, grow or shrink ``fd`` from now on (Linux's file seals)."""
+    if not _host.HAS_SEALING:
+        raise RuntimeError(supported())
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
 
 
 def _refuse_nested(buffer):
@@ -207,10 +223,14 @@ class SharedBuffer:
     @classmethod
     def open_path(cls, path: str) -> "SharedBuffer":
         """The buffer another process holds, through ``/proc/<pid>/fd/<fd>``."""
+        if not _host.HAS_PROC:
+            raise OSError(f"no /proc on this host ({_host.PLATFORM})")
         return cls(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
 
     def reduce_for_process(self):
         """ForkingPickler's reduction: a duplicate of the descriptor."""
+        if not _host.HAS_FD_PASSING:  # no buffer exists there: no memfd
+            raise TypeError(f"a shared container cannot be sent on {_host.PLATFORM}")
         return SharedBuffer._from_handle, (reduction.DupFd(self.fd),)
 
     @staticmethod
@@ -233,7 +253,7 @@ def _buffer_from_bytes(data: bytes) -> SharedBuffer:
     try:
         _arena.write_at(writer.fd, data, 0)
         os.ftruncate(writer.fd, len(data))
-        fcntl.fcntl(writer.fd, fcntl.F_ADD_SEALS, _SEALS)
+        _seal(writer.fd)
         fd, writer.fd = writer.fd, -1
     except BaseException:
         writer.abandon()

@@ -27,6 +27,7 @@ import warnings
 
 import torch
 
+from .. import _host
 from ._buffer import SharedBuffer
 
 
@@ -68,6 +69,8 @@ def handle_of(shared):
 def open_handle(handle):
     """The shared object a ``handle_of`` handle names, mapped in this process."""
     rebuild, pid, fd, size, rest = handle
+    if not _host.HAS_PROC:
+        raise OSError(f"no /proc/<pid>/fd on this host ({_host.PLATFORM})")
     path = f"/proc/{pid}/fd/{fd}"
     if rebuild == "tensor":
         dtype, offset, shape, stride = rest

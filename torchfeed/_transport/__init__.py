@@ -31,8 +31,10 @@ Usage::
     unpacker.close()                        # when the iterator ends
 
 The transport is chosen by the ``transport`` option, else the environment
-variable ``TORCHFEED_TRANSPORT``, else ``"shm"``; where memfd is not available
-(not Linux) ``"shm"`` quietly means ``"torch"``. When the slots do not fit the
+variable ``TORCHFEED_TRANSPORT``, else ``"shm"``; where the slots cannot exist
+(``_host.SHM_SLOTS``: no memfd, as on macOS and Windows) the default is
+``"torch"``, said once, and ``"shm"`` asked for is an error naming the host
+(``_options.resolve_transport``). When the slots do not fit the
 shared-memory budget (``TORCHFEED_SHM_LIMIT``, or half the available memory),
 the batches that do not fit go torch's way and the main process warns once;
 nothing raises (see ``_space.py``).
@@ -42,9 +44,9 @@ from __future__ import annotations
 
 import errno
 import os
-import resource
 from dataclasses import dataclass
 
+from .. import _host
 from .._options import TRANSPORT_ENV as ENV_TRANSPORT
 from .._options import TRANSPORTS, resolve_transport  # the loader's: one check, one message
 from . import _arena, _space
@@ -105,8 +107,8 @@ def create_channel(num_workers: int, mp_context=None, options=None):
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be at least 1, got {num_workers}")
-    kind = resolve_transport(_option(options, "transport"))
-    if kind == "torch" or not _arena.memfd_supported():
+    kind = resolve_transport(_option(options, "transport"), num_workers)
+    if kind == "torch":
         return TorchChannel(num_workers)
     limit = _option(options, "shm_limit")
     budget, source = _space.shm_budget(limit)
@@ -128,6 +130,10 @@ def fd_exhaustion_error(exc: BaseException):
     Only batches that go through torch's reductions pass descriptors: the
     shared-memory slots hold one per worker, and batches kept beyond the slots
     travel inline."""
+    if not _host.HAS_RESOURCE:
+        return None  # Windows: no descriptor limit of this kind
+    import resource
+
     try:
         open_fds = len(os.listdir("/proc/self/fd"))
     except OSError:

@@ -23,28 +23,45 @@ import weakref
 
 import numpy as np
 
+from .. import _host
+
 CTRL_BYTES = mmap.PAGESIZE
 REGION_ALIGN = 1 << 16
 FIRST_REGION = REGION_ALIGN
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_loaded: list = []  # [libc], once loaded
 
 
-def memfd_supported() -> bool:
-    return hasattr(os, "memfd_create") and hasattr(mmap, "MADV_REMOVE")
+def _libc():
+    """libc through ctypes, with the prototypes used here, loaded on first use:
+    only a host with the slots (``_host.SHM_SLOTS``) or shared containers
+    (``_host.SHARED_CONTAINERS``) gets here.  Never at import: Windows has no
+    ``CDLL(None)``, and macOS's libc no ``fallocate``."""
+    if not _loaded:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if _host.HAS_FALLOCATE:
+            libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        _loaded.append(libc)
+    return _loaded[0]
+
+
+def _no_slots(what: str) -> OSError:
+    return OSError(errno.ENOSYS, f"{what} needs Linux's memfd_create, fallocate and MADV_REMOVE, "
+                                 f"which this host ({_host.PLATFORM}) lacks")
 
 
 def create_arena(worker_id: int) -> int:
     """A new, empty arena for one worker; returns its descriptor."""
+    if not _host.SHM_SLOTS:
+        raise _no_slots("a shared-memory arena")
     fd = os.memfd_create(f"torchfeed-transport-w{worker_id}", os.MFD_CLOEXEC)
     try:
         os.posix_fallocate(fd, 0, CTRL_BYTES)
@@ -67,41 +84,65 @@ class SharedMap:
     """
 
     __slots__ = ("addr", "length", "array")
+    # (libc's madvise, MADV_REMOVE), bound on the class once libc is loaded: a
+    # batch kept to the end of the program dies while the interpreter tears
+    # modules down, and the class outlives this module's globals.
+    _madvise_remove: tuple = ()
 
     def __init__(self, fd: int, length: int, offset: int = 0, populate: bool = False,
                  writable: bool = True):
-        flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        addr = _libc.mmap(None, length, prot, flags, fd, offset)
-        if addr in (None, _MAP_FAILED):
-            e = ctypes.get_errno()
-            raise OSError(e, f"mmap of {length} bytes of shared memory failed: {os.strerror(e)}")
+        addr = _map_shared(fd, length, offset, populate, writable)
         self.addr, self.length = addr, length
         # a ctypes array has the buffer protocol; numpy's stubs do not list ctypes
         self.array = np.frombuffer((ctypes.c_ubyte * length).from_address(addr), np.uint8)  # type: ignore[call-overload]
         if not writable:
             self.array.flags.writeable = False  # a write would be a SIGSEGV, not an error
-        fin = weakref.finalize(self.array, _libc.munmap, addr, length)
+        fin = weakref.finalize(self.array, _libc().munmap, addr, length)
         fin.atexit = False  # exiting unmaps anyway; earlier could pull memory from live views
 
-    def remove(self, start: int = 0, _madvise=_libc.madvise, _remove=mmap.MADV_REMOVE) -> None:
+    def remove(self, start: int = 0) -> None:
         """Give the pages from ``start`` (page-aligned) to the end back to the
-        system (later reads see zeros).
-
-        Bound as defaults: a batch kept to the end of the program dies while
-        the interpreter tears modules down."""
+        system (later reads see zeros); only where the slots exist
+        (``MADV_REMOVE``, bound by ``__init__``)."""
         if start >= self.length:
             return
-        if _madvise(self.addr + start, self.length - start, _remove) != 0:
+        madvise, remove = self._madvise_remove
+        if madvise(self.addr + start, self.length - start, remove) != 0:
             e = ctypes.get_errno()
             raise OSError(e, os.strerror(e))
+
+
+def _map_shared(fd: int, length: int, offset: int, populate: bool, writable: bool) -> int:
+    """libc's ``mmap`` of ``length`` bytes of ``fd`` at ``offset``, shared: its address."""
+    if not _host.HAS_LIBC:
+        raise _no_slots("a shared mapping without a descriptor")
+    libc = _libc()
+    if not SharedMap._madvise_remove and _host.HAS_MADV_REMOVE:
+        SharedMap._madvise_remove = (libc.madvise, mmap.MADV_REMOVE)
+    flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    addr = libc.mmap(None, length, prot, flags, fd, offset)
+    if addr in (None, _MAP_FAILED):
+        e = ctypes.get_errno()
+        raise OSError(e, f"mmap of {length} bytes of shared memory failed: {os.strerror(e)}")
+    return addr
 
 
 def drop_pages(addr: int, length: int) -> None:
     """This process's page-table entries for ``length`` bytes at ``addr`` of
     a shared mapping, dropped; the pages stay in the arena for the other
     processes that map them, and come back on the next touch."""
-    _libc.madvise(addr, length, mmap.MADV_DONTNEED)
+    if not _host.SHM_SLOTS:
+        raise _no_slots("dropping a slot's pages")
+    _libc().madvise(addr, length, mmap.MADV_DONTNEED)
+
+
+def allocate(fd: int, off: int, length: int) -> None:
+    """Pages for ``length`` bytes at ``off`` of arena ``fd``, now (``posix_fallocate``):
+    a shortage is an ``OSError`` here, never a SIGBUS when they are touched."""
+    if not _host.SHM_SLOTS:
+        raise _no_slots("a slot's pages")
+    os.posix_fallocate(fd, off, length)
 
 
 def refill(fd: int, off: int, length: int) -> None:
@@ -116,7 +157,7 @@ def refill(fd: int, off: int, length: int) -> None:
     (``MAP_POPULATE``, ``MADV_POPULATE_WRITE``) cost more than the faults it
     saved, and writing through the file costs less than either."""
     if length > 0:
-        os.posix_fallocate(fd, off, length)
+        allocate(fd, off, length)
 
 
 def write_at(fd: int, data, offset: int) -> None:
@@ -124,6 +165,8 @@ def write_at(fd: int, data, offset: int) -> None:
     with ``pwrite``, not through a mapping: the kernel copies into the
     arena's pages with no page fault and no page-table entry in this process
     (``WorkerPool.write`` says when that pays). The GIL is released meanwhile."""
+    if not (_host.SHM_SLOTS or _host.SHARED_CONTAINERS):
+        raise _no_slots("writing shared memory through its file")
     view = memoryview(data).cast("B")
     while view:
         written = os.pwrite(fd, view, offset)
@@ -133,9 +176,11 @@ def write_at(fd: int, data, offset: int) -> None:
 
 def punch_hole(fd: int, offset: int, length: int) -> None:
     """Give back the memory of ``[offset, offset+length)`` of ``fd``."""
+    if not _host.SHM_SLOTS:
+        raise _no_slots("punching a hole")
     if length <= 0:
         return
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+    if _libc().fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
         e = ctypes.get_errno()
         if e not in (errno.EBADF,):
             raise OSError(e, os.strerror(e))

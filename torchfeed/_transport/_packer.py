@@ -38,7 +38,12 @@ class PoolSettings(Protocol):
 
 
 class ShmFallbackWarning(UserWarning):
-    """Some batches went through torch's transport for lack of shared memory."""
+    """Some batches went through torch's transport for lack of shared memory.
+
+    Warned once per iterator, with what was asked, what the budget allows and
+    how to raise it (``TORCHFEED_SHM_LIMIT``) or silence it (``transport="torch"``);
+    filter it by this category, ``torchfeed.ShmFallbackWarning``.
+    """
 
 
 class Plain:

@@ -64,6 +64,7 @@ import warnings
 
 import torch
 
+from .. import _host
 from . import _slots
 from ._releaser import Releaser
 
@@ -226,6 +227,11 @@ def enable(channel) -> None:
     unpacker = channel.unpacker()
     if hasattr(unpacker, "pins"):
         unpacker.pins = SlotPins()
+    elif not _host.SHM_SLOTS:
+        _host.tell_once("page-locked slots", "pin_memory=True copies each batch into page-locked "
+                        "memory, as torch's DataLoader does: page-locking batches where they "
+                        "arrive needs torchfeed's shared-memory slots, which need Linux's "
+                        "memfd_create.", stacklevel=4)
 
 
 def _forget_in_child() -> None:
@@ -237,7 +243,8 @@ def _forget_in_child() -> None:
     releaser = _new_releaser()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+if _host.HAS_REGISTER_AT_FORK:  # elsewhere no process is forked (Windows)
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register

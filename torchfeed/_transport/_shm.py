@@ -24,6 +24,7 @@ import warnings
 import weakref
 from multiprocessing import reduction
 
+from .. import _host
 from . import _arena
 from ._packer import Packer, ShmFallbackWarning
 from ._unpacker import Unpacker
@@ -71,6 +72,8 @@ class ShmChannel:
     def __getstate__(self):
         if self._unpacker is not None and self._unpacker.closed:
             raise RuntimeError("torchfeed: this transport channel is closed")
+        if not _host.HAS_FD_PASSING:  # no channel exists there: no memfd
+            raise RuntimeError(f"torchfeed: shared-memory slots cannot be sent on {_host.PLATFORM}")
         st = dict(self.__dict__)
         st["_fds"] = [reduction.DupFd(fd) for fd in self._fds]
         st["_unpacker"] = None

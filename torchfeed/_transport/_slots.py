@@ -47,13 +47,22 @@ when the consumer keeps nothing) and nothing is mapped anew per batch.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ._arena import CTRL_BYTES, FIRST_REGION, REGION_ALIGN, SharedMap, drop_pages, punch_hole, refill, write_at
+from ._arena import (
+    CTRL_BYTES,
+    FIRST_REGION,
+    REGION_ALIGN,
+    SharedMap,
+    allocate,
+    drop_pages,
+    punch_hole,
+    refill,
+    write_at,
+)
 
 KEEPS_PAGES_AT = 0  # a byte of the header, written by the main process only
 STATES_AT = 64
@@ -274,7 +283,7 @@ class WorkerPool:
             return None, NoSlot("budget", cap, self.bytes + cap, nbytes)
         off = self._take_region(cap)
         try:
-            os.posix_fallocate(self.fd, off, cap)
+            allocate(self.fd, off, cap)
             # A slot that keeps its pages is mapped at once: its later batches
             # then write without a fault. A huge one is written as its pages
             # come (see ``refill``).

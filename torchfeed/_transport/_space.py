@@ -118,8 +118,11 @@ def available_memory() -> int | None:
 
 def dev_shm_free() -> int | None:
     """Free bytes in /dev/shm, where torch's own transport puts its segments."""
+    statvfs = getattr(os, "statvfs", None)  # Windows has neither it nor /dev/shm
+    if statvfs is None:
+        return None
     try:
-        st = os.statvfs("/dev/shm")
+        st = statvfs("/dev/shm")
     except OSError:
         return None
     return st.f_bavail * st.f_frsize

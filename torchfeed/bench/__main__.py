@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 from typing import Sequence
 
 from .compare import PEERS, BenchConfig, run_comparison
+from .measure import load_average
 from .report import command_line, format_report, machine_info, to_json
 from .workloads import WORKLOADS
 
@@ -128,10 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The run in flight has already shut its workers down on the way out.
         print("torchfeed.bench: interrupted; no table", file=sys.stderr)
         return 130
-    try:
-        end_load = os.getloadavg()[0]
-    except OSError:
-        end_load = None
+    end_load = load_average()
     print(format_report(results, config, info, command, end_load), flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

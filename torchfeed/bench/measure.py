@@ -265,7 +265,14 @@ def time_loader(make_loader: Callable[[], Iterable], *, batches: int | None = No
 
 def cpu_count() -> int:
     """Cores this process may run on: what the tuner and the bench scale to."""
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux only
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    """The system's load over the last minute (psutil's, which Windows lacks
+    natively), or None where it cannot be read."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        return psutil.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None

@@ -15,7 +15,7 @@ import numpy
 import torch
 
 from .compare import BASELINE, METRICS, PEERS, TORCH, TORCHFEED, BenchConfig, WorkloadResult
-from .measure import cpu_count
+from .measure import cpu_count, load_average
 
 _MIB = 1 << 20
 
@@ -48,10 +48,7 @@ def cpu_model() -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = None
+    load = load_average()
     return {
         "cores_usable": cpu_count(),
         "cores_total": os.cpu_count(),
