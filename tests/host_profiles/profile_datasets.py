@@ -39,11 +39,11 @@ class Failing(Samples):
 
 class Dying(Samples):
     """Sample ``bad`` ends its worker with exit code 3, once it has written the
-    time (``time.time()``) to ``mark``.  Samples are plain ints: with
-    ``collate_fn=list`` no batch goes through torch's shared memory, whose
-    manager process (``file_system`` sharing) would inherit the worker's end of
-    its sentinel pipe and keep it open after the worker's death (issue 51,
-    item 3: ``is_alive()`` on every wait slice, the lead's part)."""
+    time (``time.time()``) to ``mark``.  Samples are tensors: under the
+    profiles' ``file_system`` sharing the batches go through torch's shared
+    memory, whose manager process inherits the worker's end of its sentinel
+    pipe and keeps it open after the worker's death (NOTE [ A sentinel held
+    open ] in torchfeed/_ipc/_wait.py): the death must be seen all the same."""
 
     def __init__(self, bad: int, mark: str) -> None:
         super().__init__()
@@ -54,7 +54,7 @@ class Dying(Samples):
             with open(self.mark, "w") as f:
                 f.write(repr(time.time()))
             os._exit(3)
-        return i
+        return torch.tensor([i])
 
 
 class Slow(Samples):
