@@ -86,14 +86,14 @@ MUTATIONS = (
         (f"{OLD_CHECKPOINTS}::test_a_loaded_state_shares_nothing_with_its_dicts",)),
     Mutation(
         "out-of-order", "ordering: batches are yielded as they arrive, whatever in_order says",
-        "torchfeed/_multiprocess.py",
+        "torchfeed/_worker_iterator.py",
         "            if send_idx != self._rcvd_idx:\n                if not self._in_order:\n",
         "            if send_idx != self._rcvd_idx:\n                if True:\n",
         ("tests/test_parity.py::test_in_order_slow_sample_keeps_order",)),
     Mutation(
         "worker-error-words", "error sentences: torch's sentence for a worker's exception",
         "torchfeed/_errors.py",
-        'head = f"Caught {self.exc_name} in DataLoader worker process {self.worker_id}."',
+        'head = f"Caught {self.exc_name} in DataLoader worker {self.kind} {self.worker_id}."',
         'head = f"Caught {self.exc_name} in worker {self.worker_id}."',
         ("tests/test_torch_errors.py::test_exception_in_a_worker_is_caught_in_torchs_words",)),
     Mutation(
