@@ -8,6 +8,7 @@ from torch.utils.data import default_collate, default_convert, get_worker_info
 from torch.utils.data._utils.worker import WorkerInfo
 
 from ._share import SharedMapping, SharedSequence, share
+from ._thread_worker import thread_safe_generator
 from .dataloader import DataLoader
 from .distributed import DistributedSampler
 from .frameworks import prepare
@@ -23,6 +24,7 @@ __all__ = [
     "get_worker_info",
     "prepare",
     "share",
+    "thread_safe_generator",
     "tune",
 ]
 __version__ = "0.1.0"
