@@ -202,6 +202,26 @@ MUTATIONS = (
         ("tests/test_share.py::test_list_behaves_as_the_list",
          "tests/test_share_dataset.py::test_resume_with_shared_attributes_equals_torchs_epoch"),
         each=True),
+    Mutation(
+        "thread-generators-shared",
+        "thread workers: every thread's generators seeded with base_seed, not base_seed + id",
+        "torchfeed/_seeding.py",
+        "    seed = base_seed + worker_id\n    torch_generator = torch.Generator()\n",
+        "    seed = base_seed\n    torch_generator = torch.Generator()\n",
+        ("tests/test_thread_workers.py::"
+         "test_worker_info_is_per_thread_with_its_own_generators_seeded_from_base_seed_plus_id",)),
+    Mutation(
+        "thread-shutdown-waits", "shutdown: the thread iterator joins a stuck thread without a deadline",
+        "torchfeed/_thread_iterator.py",
+        "                    thread.join(max(0.0, deadline - time.monotonic()))\n",
+        "                    thread.join()\n",
+        ("tests/test_thread_workers.py::test_a_thread_stuck_in_getitem_does_not_hold_up_the_shutdown",)),
+    Mutation(
+        "thread-death-unseen", "thread workers: a thread that ended by itself is waited for",
+        "torchfeed/_thread_iterator.py",
+        "        except queue.Empty:\n            self._check_threads()\n",
+        "        except queue.Empty:\n",
+        ("tests/test_thread_workers.py::test_a_thread_that_ends_by_itself_is_reported_not_waited_for",)),
 )
 
 

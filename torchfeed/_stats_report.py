@@ -27,8 +27,13 @@ class LoaderStats(dict):
     def __str__(self) -> str:
         s = self
         n = s["num_workers"]
-        head = (f"torchfeed loader stats: epoch {s['epoch']}, "
-                + (f"{n} workers, transport {s['transport']}" if n else "num_workers=0 (loading in the main process)")
+        if not n:
+            kind = "num_workers=0 (loading in the main process)"
+        elif s.get("worker_method") == "thread":
+            kind = f"{n} worker threads (batches by reference)"
+        else:
+            kind = f"{n} workers, transport {s['transport']}"
+        head = (f"torchfeed loader stats: epoch {s['epoch']}, {kind}"
                 + ("" if s["state"] == "running" else f", {s['state']}"))
         rate = s["batches_yielded"] / s["wall_seconds"] if s["wall_seconds"] else 0.0
         lines = [
