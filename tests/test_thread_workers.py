@@ -305,3 +305,17 @@ def test_stats_name_the_threads_and_their_cpu_time():
     assert [w["batches"] for w in stats["workers"]] == [3, 3]
     assert all(w["cpu_seconds"] >= 0 for w in stats["workers"])
     assert "2 worker threads" in str(stats)
+
+
+@pytest.mark.timeout(30)
+def test_default_collate_stacks_in_ordinary_memory_not_shared_memory():
+    # torch's default_collate stacks into a fresh shared-memory segment whenever
+    # get_worker_info() is set; a thread worker's batch never leaves the process.
+    dataset = [(torch.full((4, 4), float(i)), np.full(3, i, np.int16), i) for i in range(8)]
+    ours = list(thread_loader(dataset, batch_size=4, num_workers=2))
+    theirs = list(torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=2))
+    for mine, torchs in zip(ours, theirs):
+        assert not mine[0].is_shared() and not mine[1].is_shared()
+        assert torchs[0].is_shared()  # the process worker's path, which ours must equal
+        for a, b in zip(mine, torchs):
+            assert a.dtype == b.dtype and torch.equal(a, b)
