@@ -24,6 +24,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 import torchfeed
 from torchfeed._seeding import numpy_worker_state
+from torchfeed._stats_report import LoaderStats, _cores, thread_gil_share
 from torchfeed._torch_compat import TAKES_WORKER_METHOD
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -319,3 +320,53 @@ def test_default_collate_stacks_in_ordinary_memory_not_shared_memory():
         assert torchs[0].is_shared()  # the process worker's path, which ours must equal
         for a, b in zip(mine, torchs):
             assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _thread_stats(busy, cpu, wall=10.0, stall=0.6):
+    workers = [{"id": i, "pid": None, "batches": 10, "busy_seconds": b * wall, "busy_fraction": b,
+                "mean_fetch_seconds": 0.1, "start_seconds": 0.0, "uss_bytes": None,
+                "uss_growth_bytes": None, "cpu_seconds": c * wall} for i, (b, c) in enumerate(zip(busy, cpu))]
+    return LoaderStats(state="running", epoch=0, num_workers=len(busy), worker_method="thread",
+                       transport=None, batches_yielded=100, wall_seconds=wall,
+                       wait_seconds=stall * wall, stall_fraction=stall, workers=workers,
+                       queues={"in_flight": 4, "ready": 0, "limit": 4}, shm={"slots": 0},
+                       pin_thread_busy_seconds=None, persistent_workers=False,
+                       worker_start_seconds=None, worker_start_fraction=None, large_attributes=[])
+
+
+@pytest.mark.skipif(_cores() < 2, reason="the reading needs 2 cores")
+def test_the_verdict_reads_a_gil_bound_dataset_off_the_threads_cpu_time():
+    # two threads busy 95% of the time each, computing on one CPU between them:
+    # they took turns, Amdahl's serialised share (1.9 / 1.0 - 1) / 0.9 = 1.0
+    held = _thread_stats(busy=[0.95, 0.95], cpu=[0.5, 0.5])
+    assert thread_gil_share(held) == pytest.approx(1.0)
+    assert "`__getitem__` holds the GIL about 100% of its time" in str(held)
+    assert "worker_method='multiprocessing'" in str(held)
+    # the same busy threads on two CPUs: nothing serialised
+    free = _thread_stats(busy=[0.95, 0.95], cpu=[0.95, 0.95])
+    assert thread_gil_share(free) == 0.0 and "GIL" not in str(free)
+    # threads waiting on I/O compute on little, which says nothing of the GIL
+    io_bound = _thread_stats(busy=[0.95, 0.95], cpu=[0.05, 0.05])
+    assert thread_gil_share(io_bound) is None and "GIL" not in str(io_bound)
+    # process workers: no such reading
+    assert thread_gil_share({**held, "worker_method": "multiprocessing"}) is None
+
+
+@pytest.mark.timeout(30)
+def test_stats_read_the_threads_cpu_time_of_a_python_bound_dataset():
+    class Spins(Dataset):
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            start = time.thread_time()
+            while time.thread_time() - start < 0.01:  # 10 ms of this thread's CPU, in Python
+                pass
+            return i
+
+    loader = thread_loader(Spins(), batch_size=1, num_workers=2)
+    list(loader)
+    workers = loader.stats()["workers"]
+    # each task's CPU time is the thread's own: at least the 10 ms it spun
+    assert all(w["cpu_seconds"] >= 0.01 * w["batches"] for w in workers), workers
+    assert all(w["cpu_seconds"] <= w["busy_seconds"] + 0.05 for w in workers), workers
