@@ -217,6 +217,15 @@ MUTATIONS = (
         "                    thread.join()\n",
         ("tests/test_thread_workers.py::test_a_thread_stuck_in_getitem_does_not_hold_up_the_shutdown",)),
     Mutation(
+        "thread-batch-reused-while-held",
+        "integrity: a thread worker writes its next batch into the memory of one the user holds",
+        "torchfeed/_thread_collate.py",
+        "        weakref.finalize(view, self._given_back.put, (nbytes, buffer)).atexit = False\n",
+        "        self._given_back.put((nbytes, buffer))\n",
+        ("tests/test_thread_workers.py::test_a_batchs_memory_is_used_again_only_once_nothing_refers_to_it",
+         "tests/test_thread_workers.py::test_recycled_batches_equal_torchs_whatever_the_consumer_keeps"),
+        each=True),
+    Mutation(
         "thread-death-unseen", "thread workers: a thread that ended by itself is waited for",
         "torchfeed/_thread_iterator.py",
         "        except queue.Empty:\n            self._check_threads()\n",

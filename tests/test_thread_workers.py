@@ -23,6 +23,7 @@ from sample_datasets import RangeDataset
 from torch.utils.data import Dataset, get_worker_info
 
 import torchfeed
+from torchfeed import _thread_collate
 from torchfeed._seeding import numpy_worker_state
 from torchfeed._stats_report import LoaderStats, _cores, thread_gil_share
 from torchfeed._torch_compat import TAKES_WORKER_METHOD
@@ -370,3 +371,66 @@ def test_stats_read_the_threads_cpu_time_of_a_python_bound_dataset():
     # each task's CPU time is the thread's own: at least the 10 ms it spun
     assert all(w["cpu_seconds"] >= 0.01 * w["batches"] for w in workers), workers
     assert all(w["cpu_seconds"] <= w["busy_seconds"] + 0.05 for w in workers), workers
+
+
+class Big(Dataset):
+    """Samples of 64 KiB (float32 128x128): a batch of 16 is 1 MiB, whose memory
+    a thread worker takes from the buffers earlier batches let go of."""
+
+    def __len__(self):
+        return 160
+
+    def __getitem__(self, i):
+        return torch.full((128, 128), float(i))
+
+
+class CountingNumpy:
+    """numpy, counting the buffers the recycler makes (np.empty)."""
+
+    def __init__(self):
+        self.made = 0
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def empty(self, *args, **kwargs):
+        self.made += 1
+        return np.empty(*args, **kwargs)
+
+
+@pytest.mark.timeout(30)
+def test_a_batchs_memory_is_used_again_only_once_nothing_refers_to_it(monkeypatch):
+    counting = CountingNumpy()
+    monkeypatch.setattr(_thread_collate, "np", counting)
+    it = iter(thread_loader(Big(), batch_size=16, num_workers=1, prefetch_factor=1))
+    first = next(it)
+    kept_view = first[3]                  # a view keeps the memory
+    kept_array = next(it)[5].numpy()      # and so does a numpy array over it
+    del first
+    for k, batch in enumerate(it, start=2):
+        assert torch.equal(batch[:, 0, 0], torch.arange(16 * k, 16 * k + 16, dtype=torch.float32))
+        del batch
+    # what was held was never written by a later batch
+    assert torch.equal(kept_view, torch.full((128, 128), 3.0))
+    assert (kept_array == 16 + 5).all()
+    # the 8 batches dropped at once took turns in a few buffers (one the worker fills
+    # while the loop holds another), besides the two held: not one buffer per batch
+    assert counting.made <= 6, counting.made
+    # the premise: a worker that keeps no free buffer makes one for every batch
+    monkeypatch.setattr(_thread_collate, "KEEP_FREE", 0)
+    counting.made = 0
+    assert len([b.clone() for b in thread_loader(Big(), batch_size=16, num_workers=1)]) == 10
+    assert counting.made == 10
+
+
+@pytest.mark.timeout(30)
+def test_recycled_batches_equal_torchs_whatever_the_consumer_keeps():
+    theirs = list(torch.utils.data.DataLoader(Big(), batch_size=16, num_workers=2))
+    kept = []
+    for k, batch in enumerate(thread_loader(Big(), batch_size=16, num_workers=2)):
+        if k % 2:
+            kept.append((k, batch))  # every other batch held to the end
+        else:
+            assert torch.equal(batch, theirs[k])
+            del batch
+    assert all(torch.equal(batch, theirs[k]) for k, batch in kept)

@@ -12,7 +12,9 @@ to stop.  Each answer goes on the iterator's result queue as
 itself, by reference (nothing pickled, nothing copied beyond what
 ``collate_fn`` makes), wrapped as a process worker wraps it when it carries a
 dataset's state or a short batch's count; or a ``WorkerFailure`` naming the
-worker thread in torch's words; or ``IterableExhausted``.  ``seconds`` and
+worker thread in torch's words; or ``IterableExhausted``.  torch's ``default_collate`` becomes
+``_thread_collate.InMemoryCollate`` (ordinary memory, reused once a batch is
+gone, where torch's would take shared memory).  ``seconds`` and
 ``cpu_seconds`` are the task's wall and thread CPU time, for ``stats()``;
 ``started`` is ``(launched, ready)`` on the first answer, else None; ``drew``
 says the task drew from a global RNG (``_GlobalDraws``: a worker's first
@@ -50,15 +52,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.utils.data._utils.worker as _torch_worker
-from torch.utils.data._utils import collate as _torch_collate
 
 from . import _seeding
 from ._errors import WorkerFailure
 from ._fetch import Fetched, create_fetcher, fetch_task
 from ._protocol import IterableExhausted, ResumeIteration, WorkerResume
 from ._stateful import StateTaker
+from ._thread_collate import in_memory_collate
 from ._torch_compat import THREAD_LOCAL_WORKER_INFO
-from ._transport import is_default_collate
 
 POLL_INTERVAL = 0.25  # seconds between a waiting worker's checks of the stop flag
 GLOBAL_RNG_CHECKS = 8  # a worker's first tasks are watched for draws from the global RNGs
@@ -94,39 +95,6 @@ def _thread_safe_generator():
 
 # torchfeed.thread_safe_generator: torch's own where the release has it.
 thread_safe_generator = getattr(torch, "thread_safe_generator", _thread_safe_generator)
-
-
-def in_memory_collate(collate_fn):
-    """What a thread worker calls for ``collate_fn``: torch's ``default_collate``
-    becomes ``_collate_in_memory``; any other function is left as it is.
-
-    torch's ``default_collate`` stacks each tensor into a fresh shared-memory
-    segment whenever ``get_worker_info()`` is set (a worker process hands its
-    batch to the main process that way), which in a thread worker is only a
-    cost: a file on /dev/shm and a page fault per page, for a batch that never
-    leaves the process (more than halved the numpy workload's throughput)."""
-    return _collate_in_memory if is_default_collate(collate_fn) else collate_fn
-
-
-def _collate_in_memory(samples):
-    """``default_collate(samples)``: the same batch, tensors stacked into ordinary
-    memory.  A ``torch.Tensor`` entry the user put in ``default_collate_fn_map``
-    (torch's documented way to extend it) is honoured as it is."""
-    torch_map = _torch_collate.default_collate_fn_map
-    if torch_map.get(torch.Tensor) is not _torch_collate.collate_tensor_fn:
-        return _torch_collate.collate(samples, collate_fn_map=torch_map)
-    fn_map = dict(torch_map)
-    fn_map[torch.Tensor] = _stack_in_memory
-    return _torch_collate.collate(samples, collate_fn_map=fn_map)
-
-
-def _stack_in_memory(batch, *, collate_fn_map=None):
-    elem = batch[0]
-    if elem.is_nested or elem.layout != torch.strided:
-        return _torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # torch's error
-    # Into a tensor of the first element's dtype, as torch's worker path stacks
-    # (its shared-memory `out`), so batches equal a process worker's.
-    return torch.stack(batch, 0, out=elem.new_empty((len(batch), *elem.shape)))
 
 
 def _set_info(info) -> None:
