@@ -23,6 +23,7 @@ children, read once at the end of the timed window.
 
     PYTHONPATH=. python benchmarks/thread_workers.py               # about 4 min on 2 cores
     PYTHONPATH=. python benchmarks/thread_workers.py --seconds 1 --repeats 1   # smoke run
+    PYTHONPATH=. python benchmarks/thread_workers.py --torch-threads 1         # on a busy machine
     PYTHONPATH=. /path/to/python3.13 benchmarks/thread_workers.py  # with dataloader-rs installed
 """
 from __future__ import annotations
@@ -197,13 +198,20 @@ def main(argv=None) -> None:
     parser.add_argument("--prefetch-factor", type=int, default=2, help="(default 2)")
     parser.add_argument("--seconds", type=float, default=4.0, help="timed seconds per run (default 4)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell, rotated; medians (default 3)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch.set_num_threads() in this process first: torch@0 collates in "
+                             "this process, and on a busy machine torch's intra-op threads make "
+                             "that baseline crawl (default: torch's own choice)")
     parser.add_argument("--json", help="write every run's figures here too")
     args = parser.parse_args(argv)
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
     names = [w for w in args.workloads.split(",") if w]
     cols = columns(args.workers, args.prefetch_factor)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"Python {platform.python_version()}, torch {torch.__version__}, "
-          f"{psutil.cpu_count()} cores, load average {load:.1f} at the start; "
+          f"{psutil.cpu_count()} cores, load average {load:.1f} at the start, "
+          f"torch.get_num_threads() {torch.get_num_threads()}; "
           f"{args.workers} workers, prefetch_factor {args.prefetch_factor}, "
           f"median of {args.repeats} rotated {args.seconds:g}-second runs", flush=True)
     problem = _rs_problem()
@@ -230,13 +238,15 @@ def main(argv=None) -> None:
             mem = f"{statistics.median(pss) / 2**20:7.0f} MiB" if pss else "      -"
             print(f"  {column:<24}{rate:8.1f} batches/s  {rate / base:5.2f}x   first batch "
                   f"{1000 * first:7.1f} ms   PSS {mem}", flush=True)
-    print("\n| workload | " + " | ".join(c for c in cols if c != "torch@0") + " |")
-    print("|---|" + "---|" * (len(cols) - 1))
+    print("\nbatches/s as a multiple of torch@0's; last column: threads over processes")
+    print("\n| workload | " + " | ".join(c for c in cols if c != "torch@0")
+          + " | threads / processes |")
+    print("|---|" + "---|" * len(cols))
     for name in names:
         runs = results[name]
-        base = statistics.median(x["batches_per_s"] for x in runs["torch@0"])
-        cells = [f"{statistics.median(x['batches_per_s'] for x in runs[c]) / base:.2f}x"
-                 for c in cols if c != "torch@0"]
+        rate = {c: statistics.median(x["batches_per_s"] for x in runs[c]) for c in cols}
+        cells = [f"{rate[c] / rate['torch@0']:.2f}x" for c in cols if c != "torch@0"]
+        cells.append(f"{rate['torchfeed threads'] / rate['torchfeed processes']:.2f}x")
         print(f"| {name}, b{WORKLOADS[name][1]} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
