@@ -155,8 +155,8 @@ MUTATIONS = (
         "worker-seed-not-torchs", "seeding: every worker gets the same seed, not torch's "
         "base_seed + worker_id",
         "torchfeed/_seeding.py",
-        "    seed = base_seed + worker_id\n",
-        "    seed = base_seed\n",
+        "    seed = base_seed + worker_id\n    random.seed(seed)\n",
+        "    seed = base_seed\n    random.seed(seed)\n",
         ("tests/test_seeding.py::test_worker_seeds_are_base_seed_plus_id",)),
     Mutation(
         "rank-split-not-torchs", "distributed: each rank takes a contiguous block of the "
