@@ -38,7 +38,7 @@ from torch.utils.data._utils import collate as _torch_collate
 from ._transport import is_default_collate
 
 RECYCLE_MIN_BYTES = 1 << 20  # smaller tensors: torch's allocator, whose heap is warm anyway
-KEEP_FREE = 2                # free buffers a worker keeps per size
+KEEP_FREE = 1                # free buffers a worker keeps per size: the one it fills next
 
 
 def in_memory_collate(collate_fn):
