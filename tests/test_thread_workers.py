@@ -224,6 +224,7 @@ class Stuck(Dataset):
         return i
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(30)
 def test_a_thread_stuck_in_getitem_does_not_hold_up_the_shutdown():
     warm_up(num_workers=2, worker_method="thread")
