@@ -86,14 +86,14 @@ MUTATIONS = (
         (f"{OLD_CHECKPOINTS}::test_a_loaded_state_shares_nothing_with_its_dicts",)),
     Mutation(
         "out-of-order", "ordering: batches are yielded as they arrive, whatever in_order says",
-        "torchfeed/_multiprocess.py",
+        "torchfeed/_worker_iterator.py",
         "            if send_idx != self._rcvd_idx:\n                if not self._in_order:\n",
         "            if send_idx != self._rcvd_idx:\n                if True:\n",
         ("tests/test_parity.py::test_in_order_slow_sample_keeps_order",)),
     Mutation(
         "worker-error-words", "error sentences: torch's sentence for a worker's exception",
         "torchfeed/_errors.py",
-        'head = f"Caught {self.exc_name} in DataLoader worker process {self.worker_id}."',
+        'head = f"Caught {self.exc_name} in DataLoader worker {self.kind} {self.worker_id}."',
         'head = f"Caught {self.exc_name} in worker {self.worker_id}."',
         ("tests/test_torch_errors.py::test_exception_in_a_worker_is_caught_in_torchs_words",)),
     Mutation(
@@ -155,8 +155,8 @@ MUTATIONS = (
         "worker-seed-not-torchs", "seeding: every worker gets the same seed, not torch's "
         "base_seed + worker_id",
         "torchfeed/_seeding.py",
-        "    seed = base_seed + worker_id\n",
-        "    seed = base_seed\n",
+        "    seed = base_seed + worker_id\n    random.seed(seed)\n",
+        "    seed = base_seed\n    random.seed(seed)\n",
         ("tests/test_seeding.py::test_worker_seeds_are_base_seed_plus_id",)),
     Mutation(
         "rank-split-not-torchs", "distributed: each rank takes a contiguous block of the "
@@ -246,6 +246,35 @@ MUTATIONS = (
         "        return _watched(main_pid).is_running()\n",
         "",
         ("tests/test_platforms.py::test_portable_watchdog_watches_the_main_process_without_signals",)),
+    Mutation(
+        "thread-generators-shared",
+        "thread workers: every thread's generators seeded with base_seed, not base_seed + id",
+        "torchfeed/_seeding.py",
+        "    seed = base_seed + worker_id\n    torch_generator = torch.Generator()\n",
+        "    seed = base_seed\n    torch_generator = torch.Generator()\n",
+        ("tests/test_thread_workers.py::"
+         "test_worker_info_is_per_thread_with_its_own_generators_seeded_from_base_seed_plus_id",)),
+    Mutation(
+        "thread-shutdown-waits", "shutdown: the thread iterator joins a stuck thread without a deadline",
+        "torchfeed/_thread_iterator.py",
+        "                    thread.join(max(0.0, deadline - time.monotonic()))\n",
+        "                    thread.join()\n",
+        ("tests/test_thread_workers.py::test_a_thread_stuck_in_getitem_does_not_hold_up_the_shutdown",)),
+    Mutation(
+        "thread-batch-reused-while-held",
+        "integrity: a thread worker writes its next batch into the memory of one the user holds",
+        "torchfeed/_thread_collate.py",
+        "        weakref.finalize(view, self._given_back.put, (nbytes, buffer)).atexit = False\n",
+        "        self._given_back.put((nbytes, buffer))\n",
+        ("tests/test_thread_workers.py::test_a_batchs_memory_is_used_again_only_once_nothing_refers_to_it",
+         "tests/test_thread_workers.py::test_recycled_batches_equal_torchs_whatever_the_consumer_keeps"),
+        each=True),
+    Mutation(
+        "thread-death-unseen", "thread workers: a thread that ended by itself is waited for",
+        "torchfeed/_thread_iterator.py",
+        "        except queue.Empty:\n            self._check_threads()\n",
+        "        except queue.Empty:\n",
+        ("tests/test_thread_workers.py::test_a_thread_that_ends_by_itself_is_reported_not_waited_for",)),
 )
 
 

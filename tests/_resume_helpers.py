@@ -77,6 +77,43 @@ class Stream(IterableDataset):
         self.pos = 0
 
 
+class IteratorStream(IterableDataset):
+    """Yields 0..n-1 split across workers, its state in the iterator ``__iter__``
+    returns (a new one per call), not on the dataset: so thread workers, which
+    share the one dataset object, each keep their own (torchdata's Stateful
+    iterator)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        shard = list(range(wid, self.n, nw))
+        random.Random(wid).shuffle(shard)
+        return _ShardIterator(shard)
+
+
+class _ShardIterator:
+    def __init__(self, shard) -> None:
+        self.shard, self.pos = shard, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.pos >= len(self.shard):
+            raise StopIteration
+        self.pos += 1
+        return self.shard[self.pos - 1]
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
 class StatefulStream(Stream):
     def state_dict(self):
         return {"epoch": self.epoch, "pos": self.pos}

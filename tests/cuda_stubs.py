@@ -16,8 +16,8 @@ import threading
 import torch
 
 import torchfeed._iterator_base
-import torchfeed._multiprocess
 import torchfeed._pin_memory
+import torchfeed._worker_iterator
 from torchfeed._transport import _page_lock
 
 
@@ -78,6 +78,6 @@ def pin_thread_on_cpu(set_attr) -> None:
     the identity (slot batches are pinned by their registration anyway)."""
     set_attr(torchfeed._iterator_base, "pin_memory_plan",
              lambda loader: (bool(loader.pin_memory), None))
-    set_attr(torchfeed._multiprocess, "pin_device_index", lambda device: 0)
+    set_attr(torchfeed._worker_iterator, "pin_device_index", lambda device: 0)
     set_attr(torchfeed._pin_memory, "make_pin_device_current", lambda device, index: None)
     set_attr(torchfeed._pin_memory, "pin_memory", lambda data, device=None: data)

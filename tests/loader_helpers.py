@@ -29,6 +29,33 @@ from torchfeed._torch_compat import TAKES_IN_ORDER
 needs_in_order = pytest.mark.skipif(not TAKES_IN_ORDER, reason="torch before 2.6 has no in_order")
 
 
+# Each core test with workers runs under both kinds (worker_method, torchfeed's on every
+# torch release): threads start in well under a millisecond, so the second kind costs
+# little.  ``workers(*counts)`` parametrizes (num_workers, worker_method): a count > 0
+# under both kinds, 0 once (it has no workers to choose).
+WORKER_METHODS = ("multiprocessing", "thread")
+both_kinds = pytest.mark.parametrize("worker_method", WORKER_METHODS)
+
+
+def workers(*counts):
+    cases = []
+    for n in counts:
+        kinds = WORKER_METHODS if n else ("multiprocessing",)
+        cases += [pytest.param(n, kind, id=f"{n}-{kind}" if n else "0") for kind in kinds]
+    return pytest.mark.parametrize("num_workers,worker_method", cases)
+
+
+def torch_kwargs(kwargs: dict) -> dict:
+    """``kwargs`` for torch's own loader: ``worker_method`` only where the
+    installed torch takes it (no release up to 2.15 does); torch's loader
+    otherwise runs processes, the reference either kind must match."""
+    from torchfeed._torch_compat import TAKES_WORKER_METHOD
+
+    if TAKES_WORKER_METHOD or "worker_method" not in kwargs:
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k != "worker_method"}
+
+
 def assert_same(a, b, path: str = "batch") -> None:
     """``a`` and ``b`` are equal, with the same types, all the way down."""
     assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
@@ -80,7 +107,7 @@ def batches(loader_cls, dataset, *, seed: int | None = None, epochs: int = 1, **
 
 def torch_and_ours(dataset, **kwargs):
     """(torch's batches, torchfeed's batches) for the same configuration."""
-    theirs = batches(torch.utils.data.DataLoader, dataset, **kwargs)
+    theirs = batches(torch.utils.data.DataLoader, dataset, **torch_kwargs(kwargs))
     ours = batches(torchfeed.DataLoader, dataset, **kwargs)
     return theirs, ours
 

@@ -18,12 +18,15 @@ from torchfeed._torch_compat import (
     HONOURS_PIN_MEMORY_DEVICE,
     PINS_FOR_CURRENT_ACCELERATOR,
     TAKES_IN_ORDER,
+    TAKES_WORKER_METHOD,
     accelerator_available,
 )
 
 TorchLoader = torch.utils.data.DataLoader
 TORCHFEED_ONLY = {"transport", "seed_per_batch", "snapshot_every_n_steps", "log_every",
                   "max_worker_restarts", "device", "share_dataset"}
+if not TAKES_WORKER_METHOD:  # torch's argument (pytorch PR 161044), torchfeed's before it
+    TORCHFEED_ONLY.add("worker_method")
 
 
 # -- signature ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from loader_helpers import rerun_without_accelerator
+from loader_helpers import rerun_without_accelerator, workers
 from sample_datasets import RangeDataset
 
 import torchfeed
@@ -36,11 +36,11 @@ def test_other_accelerators_are_refused_at_construction(device):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_cpu_device_changes_nothing(num_workers):
+@workers(0, 2)
+def test_cpu_device_changes_nothing(num_workers, worker_method):
     plain = torchfeed.DataLoader(RangeDataset(12), batch_size=5, num_workers=num_workers)
     staged = torchfeed.DataLoader(RangeDataset(12), batch_size=5, num_workers=num_workers,
-                                  device="cpu")
+                                  device="cpu", worker_method=worker_method)
     assert staged.device == "cpu"
     assert _batches(staged) == _batches(plain)
     assert staged.stats()["batches_yielded"] == 3

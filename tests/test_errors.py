@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 import torch.utils.data
-from loader_helpers import Snapshot, assert_same, live_children, warm_up
+from loader_helpers import Snapshot, assert_same, both_kinds, live_children, torch_kwargs, warm_up, workers
 from sample_datasets import (
     BadIndexError,
     DyingDataset,
@@ -36,6 +36,12 @@ from torchfeed._worker import _explain_send_error
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 
+def worker_words(worker_method: str) -> str:
+    """How torch's sentences name a worker of this kind: "worker process", or
+    "worker thread" (the words of torch's thread workers, pytorch PR 161044)."""
+    return "worker thread" if worker_method == "thread" else "worker process"
+
+
 def raised(loader_cls, dataset, **kwargs):
     """(exception, batches yielded before it).
 
@@ -52,13 +58,14 @@ def raised(loader_cls, dataset, **kwargs):
 
 # -- exceptions from user code ------------------------------------------------------------
 @pytest.mark.timeout(60)
-def test_getitem_error_type_traceback_worker_and_indices():
+@both_kinds
+def test_getitem_error_type_traceback_worker_and_indices(worker_method):
     error, got = raised(torchfeed.DataLoader, FailingDataset(12, bad=5), batch_size=2,
-                        num_workers=2)
+                        num_workers=2, worker_method=worker_method)
     assert type(error) is BadIndexError
     message = str(error)
     # torch's wording, so code matching on it keeps working, plus the batch.
-    assert message.startswith("Caught BadIndexError in DataLoader worker process 0")
+    assert message.startswith(f"Caught BadIndexError in DataLoader {worker_words(worker_method)} 0")
     assert "batch 2" in message and "sample indices [4, 5]" in message
     assert "Traceback (most recent call last)" in message
     assert 'raise BadIndexError(f"sample {i} is broken")' in message
@@ -67,11 +74,14 @@ def test_getitem_error_type_traceback_worker_and_indices():
 
 
 @pytest.mark.timeout(60)
-def test_getitem_error_type_same_as_torchs_and_iteration_can_go_on():
+@both_kinds
+def test_getitem_error_type_same_as_torchs_and_iteration_can_go_on(worker_method):
     # torch re-raises and keeps the iterator usable: the failed batch is skipped.
     results = []
-    for cls in (torch.utils.data.DataLoader, torchfeed.DataLoader):
-        it = iter(cls(FailingDataset(10, bad=3), batch_size=2, num_workers=2))
+    kwargs = dict(batch_size=2, num_workers=2, worker_method=worker_method)
+    for cls, cls_kwargs in ((torch.utils.data.DataLoader, torch_kwargs(kwargs)),
+                            (torchfeed.DataLoader, kwargs)):
+        it = iter(cls(FailingDataset(10, bad=3), **cls_kwargs))
         out, errors = [], []
         while True:
             try:
@@ -92,9 +102,10 @@ def test_getitem_error_without_workers_is_the_original():
 
 
 @pytest.mark.timeout(60)
-def test_key_error_message_is_readable():
+@both_kinds
+def test_key_error_message_is_readable(worker_method):
     error, _ = raised(torchfeed.DataLoader, FailingDataset(8, bad=1, error="KeyError"),
-                      batch_size=2, num_workers=1)
+                      batch_size=2, num_workers=1, worker_method=worker_method)
     assert type(error) is KeyError
     text = str(error)
     assert "\\n" not in text and "\n" in text  # not a quoted one-liner
@@ -102,24 +113,26 @@ def test_key_error_message_is_readable():
 
 
 @pytest.mark.timeout(60)
-def test_exception_that_cannot_be_rebuilt_falls_back_to_runtime_error():
+@both_kinds
+def test_exception_that_cannot_be_rebuilt_falls_back_to_runtime_error(worker_method):
     theirs, _ = raised(torch.utils.data.DataLoader, FailingDataset(6, bad=2, error="TwoArgError"),
                        batch_size=2, num_workers=1)
     ours, _ = raised(torchfeed.DataLoader, FailingDataset(6, bad=2, error="TwoArgError"),
-                     batch_size=2, num_workers=1)
+                     batch_size=2, num_workers=1, worker_method=worker_method)
     assert type(theirs) is type(ours) is RuntimeError
-    assert "Caught TwoArgError in DataLoader worker process 0" in str(ours)
+    assert f"Caught TwoArgError in DataLoader {worker_words(worker_method)} 0" in str(ours)
     assert "TwoArgError: 7: needs two arguments" in str(ours)
     assert "sample indices [2, 3]" in str(ours)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_iter_error(num_workers):
-    error, got = raised(torchfeed.DataLoader, FailingIterIterable(), num_workers=num_workers)
+@workers(0, 2)
+def test_iter_error(num_workers, worker_method):
+    error, got = raised(torchfeed.DataLoader, FailingIterIterable(), num_workers=num_workers,
+                        worker_method=worker_method)
     assert type(error) is ValueError and not got
     if num_workers:
-        assert "Caught ValueError in DataLoader worker process 0" in str(error)
+        assert f"Caught ValueError in DataLoader {worker_words(worker_method)} 0" in str(error)
         assert 'raise ValueError("cannot open the stream")' in str(error)
 
 
@@ -148,13 +161,16 @@ class StopsAt(torch.utils.data.Dataset):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers, big", [(0, False), (2, False), (2, True)])
-def test_stop_iteration_from_getitem_is_an_error_not_a_short_batch_or_epoch(num_workers, big):
+@pytest.mark.parametrize("num_workers, big, worker_method", [
+    (0, False, "multiprocessing"), (2, False, "multiprocessing"), (2, True, "multiprocessing"),
+    (2, False, "thread")])
+def test_stop_iteration_from_getitem_is_an_error_not_a_short_batch_or_epoch(num_workers, big,
+                                                                             worker_method):
     # torch with num_workers=0 ends the epoch there without a word; a batch
     # fetched sample by sample must not come out short either.
     at = 3 * 16 + 5  # worker 1's second batch: streamed when the samples are big
     error, got = raised(torchfeed.DataLoader, StopsAt(at, big), batch_size=16,
-                        num_workers=num_workers)
+                        num_workers=num_workers, worker_method=worker_method)
     assert type(error) is RuntimeError
     assert f"dataset[{at}] raised StopIteration" in str(error)
     assert "should raise IndexError" in str(error)
@@ -162,23 +178,25 @@ def test_stop_iteration_from_getitem_is_an_error_not_a_short_batch_or_epoch(num_
 
 
 @pytest.mark.timeout(60)
-def test_collate_error():
+@both_kinds
+def test_collate_error(worker_method):
     error, got = raised(torchfeed.DataLoader, RangeDataset(12), batch_size=2, num_workers=2,
-                        collate_fn=failing_collate)
+                        collate_fn=failing_collate, worker_method=worker_method)
     assert type(error) is ZeroDivisionError
-    assert "worker process 0" in str(error) and "sample indices [4, 5]" in str(error)
+    assert f"{worker_words(worker_method)} 0" in str(error) and "sample indices [4, 5]" in str(error)
     assert "collate cannot handle sample 4" in str(error)
     assert "in failing_collate" in str(error)  # the traceback reaches the collate_fn
 
 
 @pytest.mark.timeout(60)
-def test_worker_init_fn_error():
+@both_kinds
+def test_worker_init_fn_error(worker_method):
     theirs, _ = raised(torch.utils.data.DataLoader, RangeDataset(8), batch_size=2, num_workers=2,
                        worker_init_fn=failing_worker_init)
     ours, got = raised(torchfeed.DataLoader, RangeDataset(8), batch_size=2, num_workers=2,
-                       worker_init_fn=failing_worker_init)
+                       worker_init_fn=failing_worker_init, worker_method=worker_method)
     assert type(ours) is type(theirs) is OSError
-    assert "Caught OSError in DataLoader worker process 1" in str(ours)
+    assert f"Caught OSError in DataLoader {worker_words(worker_method)} 1" in str(ours)
     assert "worker_init_fn failed in worker 1" in str(ours)
     # Worker 1's failure answers its first task, batch 1: the error names that batch's samples.
     assert "in worker_init_fn, so it could not load batch 1 (sample indices [2, 3])" in str(ours)
@@ -273,27 +291,33 @@ def test_spawn_with_unpicklable_collate_fn_names_it():
 # -- timeout ---------------------------------------------------------------------------------
 @pytest.mark.waits
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("timeout", [1, 0.5])
-def test_timeout_message_is_torchs(timeout):
-    dataset = SlowIndexDataset(8, slow=2, delay=5)
+@pytest.mark.parametrize("timeout, worker_method", [
+    (1, "multiprocessing"), (0.5, "multiprocessing"), (0.5, "thread")])
+def test_timeout_message_is_torchs(timeout, worker_method):
+    # A thread cannot be killed: its sleep ends by itself 2.5 s later (the shutdown does
+    # not wait for it; test_thread_workers.py checks what it leaves and when).
+    dataset = SlowIndexDataset(8, slow=2, delay=5 if worker_method != "thread" else 3)
     start = time.monotonic()
     ours, got = raised(torchfeed.DataLoader, dataset, batch_size=1, num_workers=1,
-                       timeout=timeout)
+                       timeout=timeout, worker_method=worker_method)
     elapsed = time.monotonic() - start
     assert type(ours) is RuntimeError
     # torch's message as the first line, then what was awaited and where the stuck worker is
     first, second = str(ours).splitlines()[:2]
+    who = "worker thread 0" if worker_method == "thread" else "worker 0"
     assert first == f"DataLoader timed out after {timeout} seconds"
-    assert second.startswith("It was waiting for batch 2 (sample indices [2]) from worker 0")
-    assert "Python stacks of worker 0" in str(ours) and "in __getitem__" in str(ours)
+    assert second.startswith(f"It was waiting for batch 2 (sample indices [2]) from {who}")
+    assert re.search(rf"^Python stacks? of {who} ", str(ours), re.M), str(ours)
+    assert "in __getitem__" in str(ours)
     assert len(got) == 2
     assert timeout <= elapsed < timeout + 3
 
 
 @pytest.mark.timeout(60)
-def test_timeout_not_hit_by_steady_workers():
+@both_kinds
+def test_timeout_not_hit_by_steady_workers(worker_method):
     out = list(torchfeed.DataLoader(SlowIndexDataset(6, slow=1, delay=0.3), batch_size=1,
-                                    num_workers=2, timeout=2))
+                                    num_workers=2, timeout=2, worker_method=worker_method))
     assert [int(b) for b in out] == list(range(6))
 
 
@@ -380,13 +404,17 @@ def test_worker_killed_while_the_iterator_is_idle_is_reported_at_the_next_batch(
 
 # -- nothing left behind after an error ----------------------------------------------------------
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["getitem", "timeout", "dead worker"])
-def test_error_leaves_nothing_behind(case):
+@pytest.mark.parametrize("case, worker_method", [
+    ("getitem", "multiprocessing"), ("timeout", "multiprocessing"),
+    ("dead worker", "multiprocessing"), ("getitem", "thread"), ("timeout", "thread")])
+def test_error_leaves_nothing_behind(case, worker_method):
     warm_up()
     before = Snapshot()
-    kwargs = dict(batch_size=1, num_workers=2)
+    kwargs = dict(batch_size=1, num_workers=2, worker_method=worker_method)
+    # The stuck sample: a process is killed; a thread, which cannot be, ends by
+    # itself when its sleep does, 1.5 s after the timeout, within wait_clean's bound.
     dataset = {"getitem": FailingDataset(10, bad=3),
-               "timeout": SlowIndexDataset(10, slow=3, delay=5),
+               "timeout": SlowIndexDataset(10, slow=3, delay=2),
                "dead worker": DyingDataset("exit", n=10, bad=3)}[case]
     if case == "timeout":
         kwargs["timeout"] = 0.5
@@ -402,11 +430,12 @@ def test_error_leaves_nothing_behind(case):
 
 # -- without automatic batching a task holds a single index -----------------------------------
 @pytest.mark.timeout(60)
-def test_getitem_error_without_batching_names_the_index():
+@both_kinds
+def test_getitem_error_without_batching_names_the_index(worker_method):
     error, got = raised(torchfeed.DataLoader, FailingDataset(8, bad=3), batch_size=None,
-                        num_workers=2)
+                        num_workers=2, worker_method=worker_method)
     assert type(error) is BadIndexError, error
-    assert "worker process 1" in str(error) and "sample indices [3]" in str(error)
+    assert f"{worker_words(worker_method)} 1" in str(error) and "sample indices [3]" in str(error)
     assert got == [0, 1, 2]
 
 

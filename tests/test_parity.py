@@ -10,7 +10,15 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from loader_helpers import assert_same, canonical, needs_in_order, torch_and_ours
+from loader_helpers import (
+    assert_same,
+    both_kinds,
+    canonical,
+    needs_in_order,
+    torch_and_ours,
+    torch_kwargs,
+    workers,
+)
 from sample_datasets import (
     Custom,
     CustomTypeDataset,
@@ -47,65 +55,70 @@ def check(dataset, **kwargs):
 
 # -- map-style -----------------------------------------------------------------------
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", WORKERS)
-def test_map_sequential(num_workers):
-    check(RangeDataset(23), batch_size=4, num_workers=num_workers)
+@workers(*WORKERS)
+def test_map_sequential(num_workers, worker_method):
+    check(RangeDataset(23), batch_size=4, num_workers=num_workers, worker_method=worker_method)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", WORKERS)
-def test_map_shuffle_seeded_generator(num_workers):
+@workers(*WORKERS)
+def test_map_shuffle_seeded_generator(num_workers, worker_method):
     out = check(RangeDataset(23), batch_size=4, shuffle=True, generator=1234,
-                num_workers=num_workers)
+                num_workers=num_workers, worker_method=worker_method)
     order = [i for batch in out[0] for i in batch[1].tolist()]
     assert sorted(order) == list(range(23)) and order != list(range(23))
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_map_shuffle_global_rng(num_workers):
+@workers(0, 2)
+def test_map_shuffle_global_rng(num_workers, worker_method):
     # No generator: the permutation and the base seed come from the global RNG.
-    check(RangeDataset(17), batch_size=3, shuffle=True, seed=99, num_workers=num_workers)
+    check(RangeDataset(17), batch_size=3, shuffle=True, seed=99, num_workers=num_workers,
+          worker_method=worker_method)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", FEW)
-def test_drop_last(num_workers):
-    out = check(RangeDataset(23), batch_size=4, drop_last=True, num_workers=num_workers)
+@workers(*FEW)
+def test_drop_last(num_workers, worker_method):
+    out = check(RangeDataset(23), batch_size=4, drop_last=True, num_workers=num_workers,
+                worker_method=worker_method)
     assert len(out[0]) == 5 and all(len(b[1]) == 4 for b in out[0])
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", WORKERS)
-def test_batch_size_none(num_workers):
-    out = check(RangeDataset(7), batch_size=None, num_workers=num_workers)
+@workers(*WORKERS)
+def test_batch_size_none(num_workers, worker_method):
+    out = check(RangeDataset(7), batch_size=None, num_workers=num_workers,
+                worker_method=worker_method)
     # default_convert, not default_collate: no batch dimension, ints stay ints.
     assert out[0][3][1] == 3 and out[0][3][0].shape == (3,)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", FEW)
-def test_custom_collate(num_workers):
-    check(RangeDataset(14), batch_size=4, collate_fn=sum_collate, num_workers=num_workers)
+@workers(*FEW)
+def test_custom_collate(num_workers, worker_method):
+    check(RangeDataset(14), batch_size=4, collate_fn=sum_collate, num_workers=num_workers,
+          worker_method=worker_method)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", FEW)
-def test_custom_sampler(num_workers):
+@workers(*FEW)
+def test_custom_sampler(num_workers, worker_method):
     check(RangeDataset(11), batch_size=3, sampler=EveryOtherSampler(11),
-          num_workers=num_workers)
+          num_workers=num_workers, worker_method=worker_method)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", FEW)
-def test_custom_batch_sampler(num_workers):
-    out = check(RangeDataset(20), batch_sampler=UnevenBatchSampler(20), num_workers=num_workers)
+@workers(*FEW)
+def test_custom_batch_sampler(num_workers, worker_method):
+    out = check(RangeDataset(20), batch_sampler=UnevenBatchSampler(20), num_workers=num_workers,
+                worker_method=worker_method)
     assert [len(b[1]) for b in out[0]] == [1, 2, 3, 4, 5, 5]
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_torch_batch_sampler_over_random_sampler(num_workers):
+@workers(0, 2)
+def test_torch_batch_sampler_over_random_sampler(num_workers, worker_method):
     def make():
         sampler = RandomSampler(range(19), generator=torch.Generator().manual_seed(5))
         return BatchSampler(sampler, 4, drop_last=False)
@@ -113,52 +126,58 @@ def test_torch_batch_sampler_over_random_sampler(num_workers):
     theirs = list(torch.utils.data.DataLoader(RangeDataset(19), batch_sampler=make(),
                                               num_workers=num_workers))
     ours = list(torchfeed.DataLoader(RangeDataset(19), batch_sampler=make(),
-                                     num_workers=num_workers))
+                                     num_workers=num_workers, worker_method=worker_method))
     assert_same(theirs, ours)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", FEW)
-def test_getitems(num_workers):
-    out = check(GetItemsDataset(10), batch_size=4, num_workers=num_workers)
+@workers(*FEW)
+def test_getitems(num_workers, worker_method):
+    out = check(GetItemsDataset(10), batch_size=4, num_workers=num_workers,
+                worker_method=worker_method)
     assert out[0][1][1].tolist() == [-4, -5, -6, -7]  # __getitems__ was used
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_subset_getitems(num_workers):
+@workers(0, 2)
+def test_subset_getitems(num_workers, worker_method):
     # torch's Subset forwards __getitems__ to the dataset.
     check(Subset(GetItemsDataset(30), list(range(29, 0, -3))), batch_size=3,
-          num_workers=num_workers)
+          num_workers=num_workers, worker_method=worker_method)
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("prefetch_factor", [1, 5])
-def test_prefetch_factor(prefetch_factor):
-    check(RangeDataset(25), batch_size=2, num_workers=2, prefetch_factor=prefetch_factor)
+@both_kinds
+def test_prefetch_factor(prefetch_factor, worker_method):
+    check(RangeDataset(25), batch_size=2, num_workers=2, prefetch_factor=prefetch_factor,
+          worker_method=worker_method)
 
 
 # -- iterable ----------------------------------------------------------------------------
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers,drop_last", [(0, False), (1, False), (3, False), (3, True)])
-def test_iterable_sharded(num_workers, drop_last):
+@pytest.mark.parametrize("drop_last", [False, True])
+@workers(0, 1, 3)
+def test_iterable_sharded(num_workers, worker_method, drop_last):
     out = check(ShardedIterable(0, 23), batch_size=3, drop_last=drop_last,
-                num_workers=num_workers)
+                num_workers=num_workers, worker_method=worker_method)
     seen = sorted(int(row[0]) for batch in out[0] for row in batch)
     if not drop_last:
         assert seen == list(range(23))
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", FEW)
-def test_iterable_batch_size_none(num_workers):
-    check(ShardedIterable(0, 10), batch_size=None, num_workers=num_workers)
+@workers(*FEW)
+def test_iterable_batch_size_none(num_workers, worker_method):
+    check(ShardedIterable(0, 10), batch_size=None, num_workers=num_workers,
+          worker_method=worker_method)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", [1, 3])
-def test_iterable_workers_end_independently(num_workers):
-    out = check(UnevenIterable(), batch_size=2, num_workers=num_workers)
+@workers(1, 3)
+def test_iterable_workers_end_independently(num_workers, worker_method):
+    out = check(UnevenIterable(), batch_size=2, num_workers=num_workers,
+                worker_method=worker_method)
     expected = sorted(w * 100 + j for w in range(num_workers) for j in range(3 * w + 1))
     assert sorted(int(x) for batch in out[0] for x in batch) == expected
 
@@ -166,15 +185,17 @@ def test_iterable_workers_end_independently(num_workers):
 # -- persistent workers and epochs ------------------------------------------------------
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("persistent", [False, True])
-def test_epochs_shuffle(persistent):
+@both_kinds
+def test_epochs_shuffle(persistent, worker_method):
     check(RangeDataset(15), batch_size=4, shuffle=True, generator=7, num_workers=2,
-          persistent_workers=persistent, epochs=3)
+          persistent_workers=persistent, epochs=3, worker_method=worker_method)
 
 
 @pytest.mark.timeout(60)
-def test_persistent_iterable_epochs():
+@both_kinds
+def test_persistent_iterable_epochs(worker_method):
     out = check(ShardedIterable(0, 11), batch_size=2, num_workers=3, persistent_workers=True,
-                epochs=3)
+                epochs=3, worker_method=worker_method)
     assert_same(out[0], out[2])
 
 
@@ -189,13 +210,16 @@ def test_persistent_keeps_workers_and_dataset():
 
 
 @pytest.mark.timeout(60)
-def test_abandoned_epoch_then_next_epoch():
+@both_kinds
+def test_abandoned_epoch_then_next_epoch(worker_method):
     # A new epoch started before the last one finished (persistent workers):
     # stale batches of the old epoch must not leak into the new one.
-    kwargs = dict(batch_size=2, shuffle=True, num_workers=2, persistent_workers=True)
+    kwargs = dict(batch_size=2, shuffle=True, num_workers=2, persistent_workers=True,
+                  worker_method=worker_method)
     results = []
-    for cls in (torch.utils.data.DataLoader, torchfeed.DataLoader):
-        loader = cls(RangeDataset(20), generator=torch.Generator().manual_seed(3), **kwargs)
+    for cls, cls_kwargs in ((torch.utils.data.DataLoader, torch_kwargs(kwargs)),
+                            (torchfeed.DataLoader, kwargs)):
+        loader = cls(RangeDataset(20), generator=torch.Generator().manual_seed(3), **cls_kwargs)
         it = iter(loader)
         first = [next(it), next(it)]
         results.append((first, list(loader), list(loader)))
@@ -208,34 +232,38 @@ def test_abandoned_epoch_then_next_epoch():
 @pytest.mark.parametrize("dataset", [RangeDataset(23), ShardedIterable(0, 23)],
                          ids=["map", "iterable"])
 @needs_in_order
-def test_out_of_order_same_multiset(dataset):
-    theirs, ours = torch_and_ours(dataset, batch_size=3, num_workers=3, in_order=False)
+@both_kinds
+def test_out_of_order_same_multiset(dataset, worker_method):
+    theirs, ours = torch_and_ours(dataset, batch_size=3, num_workers=3, in_order=False,
+                                  worker_method=worker_method)
     assert Counter(map(canonical, theirs[0])) == Counter(map(canonical, ours[0]))
 
 
 @pytest.mark.timeout(60)
 @needs_in_order
-def test_out_of_order_slow_sample_does_not_block():
+@both_kinds
+def test_out_of_order_slow_sample_does_not_block(worker_method):
     # Sample 0 takes 1.5 s; the other batches must come out while it sleeps.
     loader = torchfeed.DataLoader(SlowIndexDataset(12, slow=0, delay=1.5), batch_size=1,
-                                  num_workers=2, in_order=False)
+                                  num_workers=2, in_order=False, worker_method=worker_method)
     order = [int(b) for b in loader]
     assert sorted(order) == list(range(12))
     assert order[0] != 0 and order.index(0) >= 3
 
 
 @pytest.mark.timeout(60)
-def test_in_order_slow_sample_keeps_order():
+@both_kinds
+def test_in_order_slow_sample_keeps_order(worker_method):
     loader = torchfeed.DataLoader(SlowIndexDataset(8, slow=1, delay=0.5), batch_size=1,
-                                  num_workers=2)
+                                  num_workers=2, worker_method=worker_method)
     assert [int(b) for b in loader] == list(range(8))
 
 
 # -- default_collate / default_convert through the loader --------------------------------
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_default_collate_semantics(num_workers):
-    out = check(RichDataset(12), batch_size=5, num_workers=num_workers)
+@workers(0, 2)
+def test_default_collate_semantics(num_workers, worker_method):
+    out = check(RichDataset(12), batch_size=5, num_workers=num_workers, worker_method=worker_method)
     batch = out[0][0]
     assert isinstance(batch["point"], Point)
     assert batch["str"] == ["s0", "s1", "s2", "s3", "s4"]
@@ -245,9 +273,10 @@ def test_default_collate_semantics(num_workers):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_default_convert_semantics(num_workers):
-    out = check(RichDataset(4, uncollatable=True), batch_size=None, num_workers=num_workers)
+@workers(0, 2)
+def test_default_convert_semantics(num_workers, worker_method):
+    out = check(RichDataset(4, uncollatable=True), batch_size=None, num_workers=num_workers,
+                worker_method=worker_method)
     sample = out[0][3]
     assert isinstance(sample["ndarray"], torch.Tensor) and sample["int"] == 3
     assert isinstance(sample["np_scalar"], torch.Tensor)
@@ -256,12 +285,14 @@ def test_default_convert_semantics(num_workers):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_default_collate_error_same_type(num_workers):
+@workers(0, 2)
+def test_default_collate_error_same_type(num_workers, worker_method):
     errors = []
-    for cls in (torch.utils.data.DataLoader, torchfeed.DataLoader):
+    kwargs = dict(batch_size=2, num_workers=num_workers, worker_method=worker_method)
+    for cls, cls_kwargs in ((torch.utils.data.DataLoader, torch_kwargs(kwargs)),
+                            (torchfeed.DataLoader, kwargs)):
         with pytest.raises(TypeError) as info:
-            list(cls(RichDataset(4, uncollatable=True), batch_size=2, num_workers=num_workers))
+            list(cls(RichDataset(4, uncollatable=True), **cls_kwargs))
         traceback.clear_frames(info.value.__traceback__)  # torch's iterator is in it
         errors.append(str(info.value))
     theirs, ours = errors
@@ -274,23 +305,27 @@ def test_default_collate_error_same_type(num_workers):
     # are not the same code), its last line, the original error, does not.
     theirs_lines, ours_lines = theirs.rstrip().splitlines(), ours.rstrip().splitlines()
     assert theirs_lines[0] == "Caught TypeError in DataLoader worker process 0.", theirs
-    assert ours_lines[0] == theirs_lines[0], ours
+    # A thread worker in the words of torch's thread workers (pytorch PR 161044).
+    kind = "thread" if worker_method == "thread" else "process"
+    assert ours_lines[0] == f"Caught TypeError in DataLoader worker {kind} 0.", ours
     assert ours_lines[1] == "It was raised while fetching batch 0 (sample indices [0, 1]).", ours
     assert ours_lines[2] == theirs_lines[1] == "Original Traceback (most recent call last):"
     assert ours_lines[-1] == theirs_lines[-1], (ours, theirs)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_custom_type_through_collate_fn_map(num_workers):
+@workers(0, 2)
+def test_custom_type_through_collate_fn_map(num_workers, worker_method):
     out = check(CustomTypeDataset(), batch_size=4, collate_fn=custom_type_collate,
-                num_workers=num_workers)
+                num_workers=num_workers, worker_method=worker_method)
     assert out[0][0]["custom"] == Custom(0 + 1 + 2 + 3)
 
 
 @pytest.mark.timeout(60)
-def test_list_collate_keeps_python_objects():
-    out = check(RichDataset(6), batch_size=3, collate_fn=list_collate, num_workers=2)
+@both_kinds
+def test_list_collate_keeps_python_objects(worker_method):
+    out = check(RichDataset(6), batch_size=3, collate_fn=list_collate, num_workers=2,
+                worker_method=worker_method)
     assert isinstance(out[0][0], list) and out[0][0][1]["str"] == "s1"
 
 
@@ -312,8 +347,10 @@ def test_iterator_len():
 
 
 @pytest.mark.timeout(60)
-def test_multiprocess_iterator_len():
-    loader = torchfeed.DataLoader(RangeDataset(10), batch_size=3, num_workers=1)
+@both_kinds
+def test_multiprocess_iterator_len(worker_method):
+    loader = torchfeed.DataLoader(RangeDataset(10), batch_size=3, num_workers=1,
+                                  worker_method=worker_method)
     it = iter(loader)
     assert len(it) == 4
     del it

@@ -14,7 +14,15 @@ import traceback
 import pytest
 import torch
 import torch.utils.data
-from loader_helpers import Snapshot, assert_same, needs_in_order, rerun_without_accelerator, warm_up
+from loader_helpers import (
+    Snapshot,
+    assert_same,
+    both_kinds,
+    needs_in_order,
+    rerun_without_accelerator,
+    torch_kwargs,
+    warm_up,
+)
 from sample_datasets import (
     BadIndexError,
     DyingDataset,
@@ -51,10 +59,12 @@ def pass_through(monkeypatch):
 # -- the thread ---------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("in_order", [True, pytest.param(False, marks=needs_in_order)])
-def test_thread_passes_batches_through(pass_through, in_order):
+@both_kinds
+def test_thread_passes_batches_through(pass_through, in_order, worker_method):
     kwargs = dict(batch_size=3, num_workers=2, **({} if in_order else {"in_order": False}))
     expected = list(torch.utils.data.DataLoader(RangeDataset(20), **kwargs))
-    loader = torchfeed.DataLoader(RangeDataset(20), pin_memory=True, **kwargs)
+    loader = torchfeed.DataLoader(RangeDataset(20), pin_memory=True, worker_method=worker_method,
+                                  **kwargs)
     it = iter(loader)
     assert len(pin_threads()) == 1, "the pin-memory thread runs"
     got = list(it)
@@ -81,9 +91,10 @@ def test_no_thread_without_the_switch(request):
 
 
 @pytest.mark.timeout(60)
-def test_thread_with_iterable_and_persistent_workers(pass_through):
-    kwargs = dict(batch_size=2, num_workers=3, persistent_workers=True)
-    torch_loader = torch.utils.data.DataLoader(ShardedIterable(0, 11), **kwargs)
+@both_kinds
+def test_thread_with_iterable_and_persistent_workers(pass_through, worker_method):
+    kwargs = dict(batch_size=2, num_workers=3, persistent_workers=True, worker_method=worker_method)
+    torch_loader = torch.utils.data.DataLoader(ShardedIterable(0, 11), **torch_kwargs(kwargs))
     expected = [list(torch_loader) for _ in range(2)]
     loader = torchfeed.DataLoader(ShardedIterable(0, 11), pin_memory=True, **kwargs)
     got = [list(loader) for _ in range(2)]
@@ -97,11 +108,12 @@ def test_thread_with_iterable_and_persistent_workers(pass_through):
 
 
 @pytest.mark.timeout(60)
-def test_thread_gone_after_delete_mid_epoch(pass_through):
+@both_kinds
+def test_thread_gone_after_delete_mid_epoch(pass_through, worker_method):
     warm_up()
     before = Snapshot()
     it = iter(torchfeed.DataLoader(RangeDataset(40), batch_size=2, num_workers=2,
-                                   pin_memory=True))
+                                   pin_memory=True, worker_method=worker_method))
     batch = next(it)
     assert pin_threads()
     del it, batch
@@ -109,11 +121,13 @@ def test_thread_gone_after_delete_mid_epoch(pass_through):
 
 
 @pytest.mark.timeout(60)
-def test_worker_error_through_thread(pass_through):
+@both_kinds
+def test_worker_error_through_thread(pass_through, worker_method):
     with pytest.raises(BadIndexError) as info:
         list(torchfeed.DataLoader(FailingDataset(10, bad=3), batch_size=2, num_workers=2,
-                                  pin_memory=True))
-    assert "worker process 1" in str(info.value) and "sample indices [2, 3]" in str(info.value)
+                                  pin_memory=True, worker_method=worker_method))
+    kind = "thread" if worker_method == "thread" else "process"
+    assert f"worker {kind} 1" in str(info.value) and "sample indices [2, 3]" in str(info.value)
     traceback.clear_frames(info.value.__traceback__)
 
 
@@ -136,10 +150,12 @@ def test_dead_worker_through_thread(pass_through):
 
 
 @pytest.mark.timeout(60)
-def test_timeout_through_thread(pass_through):
+@both_kinds
+def test_timeout_through_thread(pass_through, worker_method):
     with pytest.raises(RuntimeError, match=r"^DataLoader timed out after 0.5 seconds\nIt was waiting for batch 1 "):
-        list(torchfeed.DataLoader(SlowIndexDataset(6, slow=1, delay=5), batch_size=1,
-                                  num_workers=1, pin_memory=True, timeout=0.5))
+        list(torchfeed.DataLoader(SlowIndexDataset(6, slow=1, delay=2), batch_size=1,
+                                  num_workers=1, pin_memory=True, timeout=0.5,
+                                  worker_method=worker_method))
 
 
 @pytest.mark.timeout(60)

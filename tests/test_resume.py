@@ -21,7 +21,7 @@ from _resume_helpers import (
     ids,
     uninterrupted,
 )
-from loader_helpers import needs_in_order
+from loader_helpers import both_kinds, needs_in_order
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler
 
 from torchfeed import DataLoader
@@ -131,13 +131,16 @@ def test_current_epoch_is_exact_without_restoring_the_global_rng():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
+@pytest.mark.parametrize("num_workers, persistent, worker_method", [
+    (0, False, "multiprocessing"), (2, False, "multiprocessing"), (2, True, "multiprocessing"),
+    (2, False, "thread"), (2, True, "thread")])
 def test_next_epoch_is_exact_after_a_finished_epoch_state_without_restoring_the_global_rng(
-        num_workers, persistent):
+        num_workers, persistent, worker_method):
     """The README's example: a state taken after an epoch's StopIteration, a new process
     whose global RNG is elsewhere (model init drew from it), nothing restored: the next
     epoch's shuffle (and base seed) still come out as in the uninterrupted run."""
-    make = make_for("shuffle", num_workers=num_workers, persistent_workers=persistent)
+    make = make_for("shuffle", num_workers=num_workers, persistent_workers=persistent,
+                    worker_method=worker_method)
     check_resume(make, L, epochs=2, finished=True, restore_global=False)
 
 
@@ -203,13 +206,16 @@ def test_resume_does_not_touch_the_callers_global_rng():
 @pytest.mark.parametrize("case, k, finished", [
     ("shuffle", 0, False), ("shuffle", L, False),
     ("shuffle-generator", 2, False), ("shuffle-generator", L, True)])
-def test_two_workers_resume_exactly(case, k, finished):
-    check_resume(make_for(case, num_workers=2), k, epochs=2, finished=finished)
+@both_kinds
+def test_two_workers_resume_exactly(case, k, finished, worker_method):
+    check_resume(make_for(case, num_workers=2, worker_method=worker_method), k, epochs=2,
+                 finished=finished)
 
 
 @pytest.mark.timeout(60)
-def test_persistent_workers_several_epochs():
-    make = make_for("shuffle", num_workers=2, persistent_workers=True)
+@both_kinds
+def test_persistent_workers_several_epochs(worker_method):
+    make = make_for("shuffle", num_workers=2, persistent_workers=True, worker_method=worker_method)
     reference = uninterrupted(make, epochs=3)
     for k in (1, L, 2 * L + 1):
         check_resume(make, k, epochs=3, reference=reference)
@@ -218,19 +224,27 @@ def test_persistent_workers_several_epochs():
 
 
 @pytest.mark.timeout(60)
-def test_user_sampler_with_state_and_workers():
-    make = make_for("user-with-state", num_workers=2)
+@both_kinds
+def test_user_sampler_with_state_and_workers(worker_method):
+    make = make_for("user-with-state", num_workers=2, worker_method=worker_method)
     check_resume(make, L + 1, epochs=2)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("saved, resumed", [(2, 0), (0, 2), (2, 1)])
+@pytest.mark.parametrize("saved, resumed", [
+    (2, 0), (0, 2), (2, 1),
+    # a state taken under one kind of worker resumes under the other
+    ((2, "multiprocessing"), (2, "thread")), ((2, "thread"), (2, "multiprocessing")),
+    ((2, "thread"), (1, "multiprocessing")), ((0, "multiprocessing"), (2, "thread"))])
 def test_elastic_num_workers(saved, resumed):
-    make = make_for("shuffle-generator", num_workers=saved)
+    def make_with(workers):
+        count, kind = workers if isinstance(workers, tuple) else (workers, "multiprocessing")
+        return make_for("shuffle-generator", num_workers=count, worker_method=kind)
+
+    make = make_with(saved)
     reference = uninterrupted(make, epochs=2)
     for k in (2, L + 1):
-        check_resume(make, k, epochs=2, reference=reference,
-                     make_resumed=make_for("shuffle-generator", num_workers=resumed))
+        check_resume(make, k, epochs=2, reference=reference, make_resumed=make_with(resumed))
 
 
 @pytest.mark.timeout(60)
@@ -256,11 +270,12 @@ class FetchLog(Ids):
 
 
 @pytest.mark.timeout(60)
-def test_prefetched_batches_are_not_consumed(tmp_path):
+@both_kinds
+def test_prefetched_batches_are_not_consumed(tmp_path, worker_method):
     """Two workers prefetch 4 batches, the whole epoch; a state after 1 batch counts 1."""
     ds = FetchLog(N, str(tmp_path))
     loader = DataLoader(ds, batch_size=BS, num_workers=2, prefetch_factor=2,
-                        sampler=SequentialSampler(ds))
+                        sampler=SequentialSampler(ds), worker_method=worker_method)
     it = iter(loader)
     first = ids(next(it))
     deadline = time.monotonic() + 10
@@ -271,7 +286,8 @@ def test_prefetched_batches_are_not_consumed(tmp_path):
     state = loader.state_dict()
     del it
     assert state["batches_yielded"] == 1 and state["samples_yielded"] == BS
-    resumed = make_for("sequential", num_workers=2, prefetch_factor=2)()
+    resumed = make_for("sequential", num_workers=2, prefetch_factor=2,
+                       worker_method=worker_method)()
     resumed.load_state_dict(state)
     assert first == [0, 1, 2]
     assert [ids(b) for b in resumed] == [[3, 4, 5], [6, 7, 8], [9, 10]]
@@ -279,13 +295,15 @@ def test_prefetched_batches_are_not_consumed(tmp_path):
 
 @pytest.mark.timeout(60)
 @needs_in_order
-def test_out_of_order_resume_yields_each_sample_once():
+@both_kinds
+def test_out_of_order_resume_yields_each_sample_once(worker_method):
     """in_order=False: batch 0 is slow, so later ones are yielded first; the state
     remembers them and the resumed run yields exactly the rest."""
     n = 12
 
     def make(num_workers=2):
-        return DataLoader(SlowFirst(n), batch_size=2, num_workers=num_workers, in_order=False)
+        return DataLoader(SlowFirst(n), batch_size=2, num_workers=num_workers, in_order=False,
+                          worker_method=worker_method)
 
     loader = make()
     it = iter(loader)

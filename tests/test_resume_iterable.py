@@ -6,8 +6,8 @@ import json
 import warnings
 
 import pytest
-from _resume_helpers import StatefulStream, Stream, check_resume, close, ids
-from loader_helpers import needs_in_order
+from _resume_helpers import IteratorStream, StatefulStream, Stream, check_resume, close, ids
+from loader_helpers import both_kinds, needs_in_order
 
 from torchfeed import DataLoader
 
@@ -40,6 +40,20 @@ def test_stateful_two_workers():
     m = make(num_workers=2)
     for k in (3, 7):
         check_resume(m, k, epochs=2)
+    check_resume(m, 7, epochs=2, finished=True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("persistent", [False, True])
+@both_kinds
+def test_stateful_iterators_two_workers(worker_method, persistent):
+    # The state in each worker's iterator: what thread workers, which share one
+    # dataset object, can resume; processes the same way.
+    m = make(cls=IteratorStream, num_workers=2, worker_method=worker_method,
+             persistent_workers=persistent)
+    for k in (3, 7, 9):
+        state = check_resume(m, k, epochs=2)
+        assert state["worker_states"] == [None, None] and any(state["iterator_states"])
     check_resume(m, 7, epochs=2, finished=True)
 
 

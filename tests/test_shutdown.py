@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 import torch
-from loader_helpers import Snapshot, live_children, warm_up
+from loader_helpers import Snapshot, both_kinds, live_children, warm_up
 from sample_datasets import RangeDataset, SleepDataset, UnevenIterable
 
 import torchfeed
@@ -35,22 +35,25 @@ def consume(iterator, n):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("persistent", [False, True])
-def test_exhausted_epoch_leaves_nothing(snapshot, persistent):
+@both_kinds
+def test_exhausted_epoch_leaves_nothing(snapshot, persistent, worker_method):
     loader = torchfeed.DataLoader(RangeDataset(20), batch_size=2, num_workers=2,
-                                  persistent_workers=persistent)
+                                  persistent_workers=persistent, worker_method=worker_method)
     for batch in loader:
         del batch
     if persistent:
-        assert snapshot.leftovers().get("children"), "persistent workers stay between epochs"
+        kept = "threads" if worker_method == "thread" else "children"
+        assert snapshot.leftovers().get(kept), "persistent workers stay between epochs"
     del loader
     snapshot.wait_clean(BOUND)
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("persistent", [False, True])
-def test_delete_iterator_mid_epoch(snapshot, persistent):
+@both_kinds
+def test_delete_iterator_mid_epoch(snapshot, persistent, worker_method):
     loader = torchfeed.DataLoader(SleepDataset(100, delay=0.01), batch_size=2, num_workers=2,
-                                  persistent_workers=persistent)
+                                  persistent_workers=persistent, worker_method=worker_method)
     it = iter(loader)
     consume(it, 3)
     del it
@@ -61,8 +64,10 @@ def test_delete_iterator_mid_epoch(snapshot, persistent):
 
 
 @pytest.mark.timeout(30)
-def test_break_out_of_loop(snapshot):
-    loader = torchfeed.DataLoader(SleepDataset(100, delay=0.01), batch_size=2, num_workers=2)
+@both_kinds
+def test_break_out_of_loop(snapshot, worker_method):
+    loader = torchfeed.DataLoader(SleepDataset(100, delay=0.01), batch_size=2, num_workers=2,
+                                  worker_method=worker_method)
     for i, batch in enumerate(loader):
         if i == 2:
             break
@@ -75,8 +80,10 @@ class LoopBodyError(Exception):
 
 
 @pytest.mark.timeout(30)
-def test_exception_in_loop_body(snapshot):
-    loader = torchfeed.DataLoader(SleepDataset(100, delay=0.01), batch_size=2, num_workers=2)
+@both_kinds
+def test_exception_in_loop_body(snapshot, worker_method):
+    loader = torchfeed.DataLoader(SleepDataset(100, delay=0.01), batch_size=2, num_workers=2,
+                                  worker_method=worker_method)
     with pytest.raises(LoopBodyError):
         for i, batch in enumerate(loader):
             del batch
@@ -103,11 +110,13 @@ def ctrl_c_raises():
 
 
 @pytest.mark.timeout(30)
-def test_keyboard_interrupt_in_main_process(snapshot, ctrl_c_raises):
-    loader = torchfeed.DataLoader(SleepDataset(1000, delay=0.02), batch_size=2, num_workers=2)
+@both_kinds
+def test_keyboard_interrupt_in_main_process(snapshot, ctrl_c_raises, worker_method):
+    loader = torchfeed.DataLoader(SleepDataset(1000, delay=0.02), batch_size=2, num_workers=2,
+                                  worker_method=worker_method)
     it = iter(loader)
     workers = [p.pid for p in live_children() if p.pid not in snapshot.children]
-    assert len(workers) == 2
+    assert len(workers) == (0 if worker_method == "thread" else 2)  # threads: this process
     timer = threading.Timer(0.5, _ctrl_c, (workers,))
     seen = 0
     with pytest.raises(KeyboardInterrupt):
@@ -122,13 +131,14 @@ def test_keyboard_interrupt_in_main_process(snapshot, ctrl_c_raises):
 
 
 @pytest.mark.timeout(30)
-def test_deleting_a_persistent_loader_needs_no_garbage_collector(snapshot):
+@both_kinds
+def test_deleting_a_persistent_loader_needs_no_garbage_collector(snapshot, worker_method):
     import gc
 
     gc.disable()  # the workers must go when the last reference does, not at a gc pass
     try:
         loader = torchfeed.DataLoader(RangeDataset(10), batch_size=2, num_workers=2,
-                                      persistent_workers=True)
+                                      persistent_workers=True, worker_method=worker_method)
         for batch in loader:
             del batch
         del loader

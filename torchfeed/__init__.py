@@ -9,6 +9,7 @@ from torch.utils.data._utils.worker import WorkerInfo
 
 from ._host import PlatformFallbackWarning
 from ._share import SharedMapping, SharedSequence, share
+from ._thread_worker import thread_safe_generator
 from ._transport._packer import ShmFallbackWarning
 from .dataloader import DataLoader
 from .distributed import DistributedSampler
@@ -27,6 +28,7 @@ __all__ = [
     "get_worker_info",
     "prepare",
     "share",
+    "thread_safe_generator",
     "tune",
 ]
 __version__ = "0.1.0"

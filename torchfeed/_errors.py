@@ -60,8 +60,9 @@ class WorkerFailure:
     """An exception raised inside a worker, ready to be re-raised in the main process."""
 
     def __init__(self, exc: BaseException, worker_id: int, where: str, indices=None,
-                 batch_index: int | None = None):
+                 batch_index: int | None = None, kind: str = "process"):
         self.worker_id = worker_id
+        self.kind = kind  # "process" or "thread": torch's sentence names which
         self.where = where
         self.indices = _index_list(indices)
         self.batch_index = batch_index
@@ -86,11 +87,13 @@ class WorkerFailure:
 
     def message(self) -> str:
         """torch's ``ExceptionWrapper`` message, word for word ("Caught X in
-        DataLoader worker process k." then "Original Traceback ..."), with one
-        line of torchfeed's between them: the batch and its sample indices."""
+        DataLoader worker process k.", or "worker thread k." for a thread
+        worker, as pytorch PR 161044 words it; then "Original Traceback ..."),
+        with one line of torchfeed's between them: the batch and its sample
+        indices."""
         if self.worker_id < 0:  # raised in the main process's own threads
             return f"Caught {self.exc_name} in {self.where}.\nOriginal {self.traceback}"
-        head = f"Caught {self.exc_name} in DataLoader worker process {self.worker_id}."
+        head = f"Caught {self.exc_name} in DataLoader worker {self.kind} {self.worker_id}."
         samples = ""
         if self.indices is not None and any(i is not None for i in self.indices):
             samples = f" (sample indices {_format_indices(self.indices)})"

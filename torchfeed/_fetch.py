@@ -22,12 +22,19 @@ gives the fetcher the state of that iterator, loaded right after ``iter()``
 (torchdata's order; see ``_stateful.py``).
 
 ``StopIteration`` from an iterable fetcher means "this worker's stream is done".
+
+``fetch_task`` runs one task through a fetcher for a worker, process or
+thread alike: the batch and the (dataset, iterator) state right after it
+(``Fetched``, whose ``wrap`` puts the state around what is sent), or the
+``WorkerFailure`` / ``IterableExhausted`` to send instead.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-from ._errors import explain_lookup_error
+from ._errors import WorkerFailure, explain_lookup_error
+from ._protocol import IterableExhausted, StatefulResult, Task
+from ._stateful import take_state
 from ._transport import SampleStream
 
 
@@ -165,3 +172,42 @@ def create_fetcher(is_iterable: bool, dataset, auto_collation: bool, collate_fn,
     if is_iterable:
         return IterableFetcher(dataset, auto_collation, collate_fn, drop_last, iterator_state)
     return MapFetcher(dataset, auto_collation, collate_fn)
+
+
+class Fetched(NamedTuple):
+    """A task's batch, the state its worker's dataset reported right after it,
+    and what a short last batch of an iterable holds."""
+
+    batch: Any
+    state: Any       # a TakenState, or None
+    exhausted: bool  # the batch hit the end of the worker's stream
+    short: int | None  # samples in a short batch of an iterable; None: a full batch
+
+    def wrap(self, payload, ships_state: bool):
+        """``payload`` (the batch as it is sent) with the state around it when
+        there is one to send, or the sample count of a short batch."""
+        state = self.state
+        if state is not None and state.dataset_state is None and state.iterator_state is None:
+            state = None  # nothing Stateful here: the batch goes unwrapped, as without state
+        if (ships_state and state is not None) or self.short is not None:
+            return StatefulResult(payload, state, self.exhausted, self.short)
+        return payload
+
+
+def fetch_task(task: Task, fetcher, taker, is_iterable: bool, worker_id: int,
+               kind: str = "process"):
+    """``task``'s batch as a ``Fetched``; or the ``IterableExhausted`` that ends
+    an iterable worker's stream, or the ``WorkerFailure`` (its worker ``kind``:
+    "process" or "thread") that answers the task instead."""
+    try:
+        batch = fetcher.fetch(task.indices)
+        state = take_state(taker, fetcher)
+    except StopIteration:
+        if is_iterable:
+            return IterableExhausted(worker_id, take_state(taker, fetcher))
+        return WorkerFailure(RuntimeError("StopIteration raised while fetching a batch"),
+                             worker_id, "fetching", task.indices, task.batch_index, kind)
+    except Exception as exc:
+        return WorkerFailure(exc, worker_id, "fetching", task.indices, task.batch_index, kind)
+    short = fetcher.last_size if is_iterable else None  # the samples a short batch holds
+    return Fetched(batch, state, getattr(fetcher, "exhausted", False), short)

@@ -1,4 +1,4 @@
-"""The multi-process iterator: index queues out, one result queue back, in order.
+"""The multi-process iterator: worker processes, the transport, one result queue.
 
     main process                                 worker k (one process each)
     ------------                                 ---------------------------
@@ -7,15 +7,12 @@
     user ◄─ pin ◄─ reorder ◄─ receiver ◄────── result_queue ◄───┘
                                 (_receive.py)
 
-With ``device=`` set, the pin thread also copies each batch to the device
-(``_device.py``), and ``_process_data`` hands it over on the user's stream.
-
-Book-keeping follows torch's: ``send_idx`` numbers tasks as they go out,
-``rcvd_idx`` is the next task to hand to the user, ``task_info`` maps each
-outstanding task to its worker (and, unlike torch, to its sample indices, so
-any failure can name them).  ``prefetch_factor × num_workers`` tasks are in
-flight at once, sent round-robin.  Results that arrive early wait in
-``_arrived`` until their turn, unless ``in_order=False``.
+The book-keeping (``send_idx`` / ``rcvd_idx`` / ``task_info``, prefetch,
+reorder, ``in_order=False``) is ``_worker_iterator.py``'s, shared with the
+thread iterator; this module owns what processes add: starting them (with
+``share_dataset=True``'s sharing first), the transport's channel and
+unpacker, restarts, the dead-worker error, the stacks in the timeout error,
+and stopping them.
 
 Receiving (``_receive.py``) waits on the result queue and on every live
 worker's sentinel at once, so a worker that dies wakes the main process
@@ -32,32 +29,25 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import itertools
 import os
-import queue
-import time
 import weakref
-from typing import Any
 
 import torch
 
 from . import _worker_tempdir
-from ._device import DeviceFeedThread, hand_over, resolve_device
-from ._errors import WorkerFailure, describe_dead_worker
-from ._ipc import WAIT_SLICE, close_queue, join_process
-from ._iterator_base import BaseIterator
-from ._pin_memory import PinMemoryThread, pass_through_requested
+from ._errors import describe_dead_worker
+from ._ipc import close_queue, join_process
 from ._processes import StopFlag, launch_worker, launched_at, stop_workers
-from ._protocol import IterableExhausted, ResumeIteration, StatefulUnpacker, Task, TaskInfo
+from ._protocol import ResumeIteration, StatefulUnpacker, Task, TaskInfo
 from ._receive import ResultReceiver, WorkerDied
 from ._restart import WorkerRestarts
 from ._share_dataset import share_before_workers
 from ._stack_dump import timeout_message
 from ._stats import LiveCounts
-from ._torch_compat import assertion_message, in_order, pin_device_index
 from ._transport import _page_lock, create_channel
 from ._worker import WorkerSpec
 from ._worker_costs import in_background
+from ._worker_iterator import WorkerIterator
 
 _live_iterators: weakref.WeakSet = weakref.WeakSet()
 
@@ -68,29 +58,12 @@ def _shutdown_live_iterators() -> None:
         it._shutdown_workers()
 
 
-class MultiProcessIterator(BaseIterator):
+class MultiProcessIterator(WorkerIterator):
     def __init__(self, loader) -> None:
         originals = share_before_workers(loader)
         super().__init__(loader)
-        self._device = resolve_device(getattr(loader, "device", None))
-        self._prefetch_factor = loader.prefetch_factor
-        if self._prefetch_factor <= 0:
-            # torch's constructor lets 0 through and its iterator refuses it,
-            # after drawing the base seed, as here.
-            raise AssertionError(assertion_message(
-                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter",
-                f"prefetch_factor={self._prefetch_factor} would send no batch to the "
-                f"{self._num_workers} workers. Use prefetch_factor=1 or more (torch's "
-                "default is 2)."))
-        self._in_order = in_order(loader)
         self._workers: list = []
-        # Per worker: True while it gets tasks this epoch, False once it reported
-        # IterableExhausted (its iterable stream has nothing left).
-        self._worker_active: list[bool] = []
-        self._index_queues: list = []
         self._stack_pipes: list = []  # per worker: where it dumps its stacks on timeout
-        self._pin_thread: PinMemoryThread | None = None
-        self._acks_pending: set[int] = set()  # workers yet to acknowledge ResumeIteration
         ctx = self._ctx = loader.multiprocessing_context or torch.multiprocessing
         self._result_queue = ctx.Queue()
         self._channel = create_channel(self._num_workers, ctx, loader)
@@ -125,21 +98,11 @@ class MultiProcessIterator(BaseIterator):
             # The pin thread calls the receiver at once, which reads the
             # live-worker flags: start it only once _reset has set them.
             self._reset(loader, first_iter=True)
-            if (self._pin_memory or self._device is not None
-                    or (loader.pin_memory and pass_through_requested())):
+            if self._wants_pin_thread(loader):
                 self._start_pin_thread()
         except BaseException:
             self._shutdown_workers()
             raise
-
-    def _start_pin_thread(self) -> None:
-        index = pin_device_index(self._pin_memory_device) if self._pin_memory else None
-        if self._device is not None:
-            self._pin_thread = DeviceFeedThread(self._receiver.receive, self._pin_memory_device,
-                                                index, self._pin_memory, self._device)
-            return
-        self._pin_thread = PinMemoryThread(self._receiver.receive, self._pin_memory_device,
-                                           index, pin=self._pin_memory)
 
     def _start_worker(self, ctx, spec: WorkerSpec, worker_id: int) -> None:
         index_queue, stack_pipe, process = launch_worker(ctx, spec, worker_id,
@@ -168,63 +131,7 @@ class MultiProcessIterator(BaseIterator):
             self._start_pin_thread()
         return process
 
-    # -- epochs ---------------------------------------------------------------
-    def _reset(self, loader, first_iter: bool = False) -> None:
-        if not first_iter:
-            super()._reset(loader, first_iter)
-        self._send_idx = 0
-        self._rcvd_idx = 0
-        self._task_info: dict[int, TaskInfo] = {}  # send_idx -> what was sent, to which worker
-        self._arrived: dict[int, Any] = {}      # send_idx -> batch that came back before its turn
-        self._tasks_outstanding = 0
-        self._sampler_done = False
-        self._worker_active[:] = [True] * self._num_workers  # the receiver shares the list
-        self._workers_num_tasks = [0] * self._num_workers
-        first = self._stream.next_worker  # a resumed IterableDataset goes on round-robin
-        self._worker_cycle = itertools.cycle([*range(first, self._num_workers), *range(first)])
-        if not first_iter:
-            self._acks_pending = set(range(self._num_workers))
-            for index_queue in self._index_queues:
-                index_queue.put(ResumeIteration(self._epoch, self._stream.shared_seed))
-            while self._acks_pending:
-                # Results of the previous epoch that were still in flight
-                # arrive before each worker's acknowledgement; drop them.
-                marker, worker_id = self._get_data()
-                if isinstance(marker, ResumeIteration):
-                    self._acks_pending.discard(worker_id)
-            # Nothing of the last epoch is left in flight, and nothing of this
-            # one is yet: the pin thread cannot count a batch into the wrong epoch.
-            self._stats.begin(self._epoch)
-        for _ in range(self._prefetch_factor * self._num_workers):
-            self._try_put_index()
-
-    # -- sending ---------------------------------------------------------------
-    def _try_put_index(self) -> None:
-        max_tasks = self._prefetch_factor * self._num_workers
-        if self._tasks_outstanding >= max_tasks:
-            return
-        try:
-            batch_index, indices = self._next_index()
-        except StopIteration:
-            self._sampler_done = True
-            return
-        active = sum(self._worker_active)
-        for _ in range(self._num_workers):
-            worker_id = next(self._worker_cycle)
-            if not self._worker_active[worker_id]:
-                continue
-            # Out of order, a slow worker must not hoard the whole budget.
-            if self._in_order or self._workers_num_tasks[worker_id] < max_tasks // active:
-                break
-        else:
-            return
-        self._index_queues[worker_id].put(Task(self._send_idx, batch_index, indices))
-        self._task_info[self._send_idx] = TaskInfo(worker_id, batch_index, indices)
-        self._workers_num_tasks[worker_id] += 1
-        self._tasks_outstanding += 1
-        self._send_idx += 1
-
-    # -- receiving: see _receive.py ---------------------------------------------
+    # -- receiving: see _receive.py; the book-keeping: _worker_iterator.py -------
 
     def _raise_dead_worker(self, worker_id: int, note: str = "") -> None:
         process = self._workers[worker_id]
@@ -240,30 +147,12 @@ class MultiProcessIterator(BaseIterator):
         self._shutdown_workers()
         raise RuntimeError(message)
 
-    def _get_data(self):
-        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
-        while True:
-            wait = WAIT_SLICE if deadline is None else max(0.0, min(WAIT_SLICE, deadline - time.monotonic()))
-            ok, item = self._wait_one(wait)
-            if ok:
-                return item
-            if deadline is not None and time.monotonic() >= deadline:
-                raise RuntimeError(self._describe_timeout())
-
-    def _describe_timeout(self) -> str:
-        """torch's timeout message, plus what was awaited and the stacks of the
-        workers that owe it."""
-        info = self._task_info.get(self._rcvd_idx) if self._in_order else None
-        owed: dict[int, TaskInfo | None] = {}  # worker -> the first task it owes, if known
-        if info is not None:
-            owed = {info.worker_id: info}
-        else:  # out of order, or between epochs: any worker with work may be the one
-            for send_idx, task in sorted(self._task_info.items()):
-                if send_idx not in self._arrived:
-                    owed.setdefault(task.worker_id, task)
-            if not owed:
-                owed = {w: None for w in range(self._num_workers)}
+    def _timeout_message(self, owed: dict[int, TaskInfo | None]) -> str:
+        """torch's timeout message, then the stacks of the processes that owe it."""
         return timeout_message(self._timeout, owed, self._workers, self._stack_pipes)
+
+    def _ends_the_thread(self, error: BaseException) -> bool:
+        return isinstance(error, WorkerDied)  # the thread has ended; _wait_one decides
 
     def _wait_one(self, timeout: float):
         try:
@@ -282,100 +171,9 @@ class MultiProcessIterator(BaseIterator):
             self._raise_dead_worker(death.worker_id, note=note)
         return False, None
 
-    def _unanswered(self, worker_id: int) -> list[tuple[int, TaskInfo]]:
-        """``[(send_idx, task)]`` sent to ``worker_id`` whose batch has not come back."""
-        return [(send_idx, task) for send_idx, task in sorted(self._task_info.items())
-                if task.worker_id == worker_id and send_idx not in self._arrived]
-
-    def _wait_one_unguarded(self, timeout: float):
-        if self._pin_thread is None:
-            return self._receiver.receive(timeout)
-        try:
-            kind, item = self._pin_thread.out.get(timeout=timeout)
-        except queue.Empty:
-            if not self._pin_thread.thread.is_alive():
-                raise RuntimeError("Pin memory thread exited unexpectedly") from None
-            return False, None
-        if kind == "error":
-            if not isinstance(item, WorkerDied):  # else the thread has ended; _wait_one decides
-                self._shutdown_workers()
-            try:
-                raise item
-            finally:
-                del item  # its traceback holds this frame: no cycle to keep us alive
-        return True, item
-
-    def _next_data(self):
-        while True:
-            # Skip tasks that will never be answered: their worker exhausted its
-            # iterable stream, or (in_order=False) they were already yielded.
-            while self._rcvd_idx < self._send_idx:
-                if self._rcvd_idx in self._arrived:
-                    break
-                info = self._task_info.get(self._rcvd_idx)
-                if info is not None and self._worker_active[info.worker_id]:
-                    break
-                self._task_info.pop(self._rcvd_idx, None)
-                self._rcvd_idx += 1
-            else:
-                if not self._persistent_workers:
-                    self._shutdown_workers()
-                else:  # idle until the next epoch: keep one slot per worker
-                    trim = getattr(self._unpacker, "trim", None)
-                    if trim is not None:
-                        trim()
-                raise StopIteration
-
-            if self._rcvd_idx in self._arrived:
-                data = self._arrived.pop(self._rcvd_idx)
-                info = self._task_info.pop(self._rcvd_idx)
-                self._rcvd_idx += 1
-                return self._process_data(data, info)
-
-            send_idx, data = self._get_data()
-            self._tasks_outstanding -= 1
-            if isinstance(data, IterableExhausted):
-                self._stream.worker_exhausted(data.worker_id, data.state)
-                self._on_worker_exhausted(data.worker_id)
-                self._try_put_index()
-                continue
-            if send_idx != self._rcvd_idx:
-                if not self._in_order:
-                    return self._process_data(data, self._task_info.pop(send_idx))
-                self._arrived[send_idx] = data
-                continue
-            info = self._task_info.pop(send_idx)
-            self._rcvd_idx += 1
-            return self._process_data(data, info)
-
-    def _on_worker_exhausted(self, worker_id: int) -> None:
-        """A worker reported IterableExhausted: send it no more tasks this epoch."""
-        self._worker_active[worker_id] = False
-        if not self._persistent_workers:
-            self._index_queues[worker_id].put(None)
-
-    def _process_data(self, data, info):
-        worker_id, batch_index, indices = info
-        self._workers_num_tasks[worker_id] -= 1
-        self._try_put_index()
-        if self._sampler_done and not self._workers_num_tasks[worker_id]:
-            rest = getattr(self._unpacker, "rest", None)  # a transport may keep no slots
-            if rest is not None:
-                rest(worker_id)  # its last batch of the epoch: its slots need not wait for it
-        if isinstance(data, WorkerFailure):
-            self._stream.record_failure(batch_index, indices, worker_id)
-            data.reraise()
-        data = self._stream.yielded(data, batch_index, indices, worker_id)
-        return data if self._device is None else hand_over(data, self._device)
-
     def live_counts(self) -> LiveCounts:
         """What the stats read when asked (``_stats.py``): workers, queues, slots, pin time."""
-        pin = self._pin_thread
-        in_flight = ready = 0
-        if not self.shut_down:
-            pinned = pin.out.qsize() if pin is not None else 0
-            in_flight = max(0, self._tasks_outstanding - pinned)
-            ready = len(self._arrived) + pinned
+        in_flight, ready, pin_busy = self._queue_counts()
         read_slots = getattr(self._unpacker, "stats", None)  # a transport may keep none
         try:
             slots = {} if read_slots is None else (read_slots() or {})
@@ -383,16 +181,13 @@ class MultiProcessIterator(BaseIterator):
             slots = None
         return LiveCounts(pids=[w.pid for w in self._workers],
                           launched=[launched_at(w) for w in self._workers],
-                          pin_busy_seconds=None if pin is None else pin.busy_seconds,
-                          in_flight=in_flight, ready=ready, slots=slots)
+                          pin_busy_seconds=pin_busy, in_flight=in_flight, ready=ready,
+                          slots=slots)
 
     # -- shutdown ---------------------------------------------------------------
     @property
     def shut_down(self) -> bool:
         return self._receiver.stopped
-
-    def shutdown(self) -> None:
-        self._shutdown_workers()
 
     def _shutdown_workers(self) -> None:
         if self.shut_down:
@@ -412,10 +207,3 @@ class MultiProcessIterator(BaseIterator):
             self._unpacker.close()
             _worker_tempdir.remove(self._spec.temp_dir)  # the workers are gone, killed ones too
             _live_iterators.discard(self)
-
-    def __del__(self) -> None:
-        try:
-            self._stats.stop()  # the epoch ended here, not after the shutdown
-            self._shutdown_workers()
-        except Exception:
-            pass  # interpreter teardown: modules may already be gone

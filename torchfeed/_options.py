@@ -9,6 +9,7 @@ import os
 from . import _host
 
 TRANSPORTS = ("shm", "torch")
+WORKER_METHODS = ("multiprocessing", "thread")  # torch's names (pytorch PR 161044)
 TRANSPORT_ENV = "TORCHFEED_TRANSPORT"
 LOG_EVERY_ENV = "TORCHFEED_LOG_EVERY"
 
@@ -62,6 +63,17 @@ def validate_options(*, seed_per_batch, snapshot_every_n_steps, share_dataset=Fa
             "snapshot_every_n_steps must be an int or None, but got "
             f"{snapshot_every_n_steps!r} (torchfeed ignores it: state_dict() is exact at "
             "every step)")
+
+
+def validate_worker_method(worker_method) -> None:
+    """``worker_method``: torch's two values.  Where the installed torch takes
+    the argument its constructor has checked it already, in its own words."""
+    if not isinstance(worker_method, str) or worker_method not in WORKER_METHODS:
+        raise ValueError(
+            f"worker_method must be one of {', '.join(map(repr, WORKER_METHODS))}, but got "
+            f"{worker_method!r}. 'multiprocessing' (the default) loads in worker processes; "
+            "'thread' loads in threads of this process, which suits a __getitem__ that releases "
+            "the GIL (file and network reads, image decoding, numpy).")
 
 
 def resolve_log_every(log_every: int | None) -> int | None:

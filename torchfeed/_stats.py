@@ -70,9 +70,9 @@ class LiveCounts(NamedTuple):
 
 
 class IteratorStats:
-    __slots__ = ("_iterator", "num_workers", "transport", "log_every", "limit",
+    __slots__ = ("_iterator", "num_workers", "worker_method", "transport", "log_every", "limit",
                  "start", "end", "wait", "yielded", "next_log", "worker_batches",
-                 "worker_busy", "epoch", "_pin_base", "_live", "_window", "persistent",
+                 "worker_busy", "worker_cpu", "epoch", "_pin_base", "_live", "_window", "persistent",
                  "_begun", "_start_mono", "_starts", "_uss_start", "_next_memory_check",
                  "_reading", "_dataset", "_shared", "_large",
                  "__weakref__")
@@ -85,7 +85,12 @@ class IteratorStats:
     def __init__(self, iterator, loader, epoch: int) -> None:
         self._iterator = weakref.ref(iterator, self._iterator_gone)
         self.num_workers = loader.num_workers
-        self.transport = getattr(loader, "transport", None) if self.num_workers else None
+        # Thread workers: no pids, no memory of their own, no transport.
+        self.worker_method = (getattr(loader, "worker_method", "multiprocessing")
+                              if self.num_workers else None)
+        threads = self.worker_method == "thread"
+        self.transport = (getattr(loader, "transport", None)
+                          if self.num_workers and not threads else None)
         self.log_every = getattr(loader, "log_every", None)
         self.limit = (loader.prefetch_factor or 0) * self.num_workers
         self.persistent = bool(loader.persistent_workers)
@@ -115,9 +120,11 @@ class IteratorStats:
             self._next_memory_check = now + _worker_costs.MEMORY_CHECK_EVERY
             self._start_reading()
 
-    def on_result(self, worker_id: int, seconds: float) -> None:
+    def on_result(self, worker_id: int, seconds: float, cpu_seconds: float | None = None) -> None:
         self.worker_batches[worker_id] += 1
         self.worker_busy[worker_id] += seconds
+        if cpu_seconds is not None:  # thread workers measure their CPU time per task
+            self.worker_cpu[worker_id] += cpu_seconds
 
     def on_started(self, worker_id: int, launched: float, ready: float, uss: int) -> None:
         """A worker's first two messages: when it was launched and ready
@@ -161,6 +168,7 @@ class IteratorStats:
         self.yielded = 0
         self.worker_batches = [0] * self.num_workers
         self.worker_busy = [0.0] * self.num_workers
+        self.worker_cpu = [0.0] * self.num_workers
         self.next_log = self.log_every or 0  # 0 never equals a count after +1
         self.end = None
         # Workers launched from now on started in this epoch; a persistent
@@ -178,7 +186,8 @@ class IteratorStats:
         self.start = perf_counter()
         self._start_mono = monotonic()
         self._window = (self.start, 0.0, 0)
-        self._next_memory_check = (self.start + _worker_costs.MEMORY_CHECK_EVERY if self.num_workers
+        self._next_memory_check = (self.start + _worker_costs.MEMORY_CHECK_EVERY
+                                   if self.num_workers and self.worker_method != "thread"
                                    else float("inf"))
 
     def _iterator_gone(self, _ref) -> None:
@@ -286,7 +295,9 @@ class IteratorStats:
         # as close to the return as they can be.  Read while the workers are
         # there: during an epoch, and between the epochs of persistent workers.
         workers_alive = it is not None and not it.shut_down
+        threads = self.worker_method == "thread"  # their memory is this process's
         uss = (self._read_memory() if read_memory and self.num_workers and workers_alive
+               and not threads
                else list(self._live.get("uss") or []))
         live = self._read_live() if self.end is None else self._live
         now = self.end if self.end is not None else perf_counter()
@@ -305,6 +316,9 @@ class IteratorStats:
                     "start_seconds": starts[i],
                     "uss_bytes": uss[i], "uss_growth_bytes": self._growth(i, uss[i])}
                    for i in range(len(batches))]
+        if threads:  # a thread's CPU time is its own: what its tasks computed
+            for worker, cpu in zip(workers, self.worker_cpu):
+                worker["cpu_seconds"] = cpu
         start_seconds, since_launch = _worker_costs.start_span(
             self._starts, live.get("launched") or [], self._begun,
             now + self._start_mono - self.start, self.num_workers)  # perf_counter to monotonic
@@ -312,7 +326,7 @@ class IteratorStats:
         running = it is not None and self.end is None and not it.shut_down
         return LoaderStats(
             state="running" if running else "finished", epoch=self.epoch, num_workers=self.num_workers,
-            transport=self.transport,
+            worker_method=self.worker_method, transport=self.transport,
             batches_yielded=self.yielded, wall_seconds=wall, wait_seconds=self.wait,
             stall_fraction=min(1.0, self.wait / wall), workers=workers,
             queues={"in_flight": in_flight, "ready": ready, "limit": self.limit},
@@ -353,7 +367,10 @@ def empty_stats(loader) -> LoaderStats:
     """What ``stats()`` says before the loader was ever iterated."""
     n = loader.num_workers
     return LoaderStats(
-        state="not started", epoch=0, num_workers=n, transport=getattr(loader, "transport", None) if n else None,
+        state="not started", epoch=0, num_workers=n,
+        worker_method=getattr(loader, "worker_method", "multiprocessing") if n else None,
+        transport=(getattr(loader, "transport", None)
+                   if n and getattr(loader, "worker_method", None) != "thread" else None),
         batches_yielded=0, wall_seconds=0.0, wait_seconds=0.0, stall_fraction=0.0,
         workers=[{"id": i, "pid": None, "batches": 0, "busy_seconds": 0.0, "busy_fraction": 0.0,
                   "mean_fetch_seconds": None, "start_seconds": None, "uss_bytes": None,

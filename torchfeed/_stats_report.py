@@ -10,6 +10,7 @@ use too), and the ``log_every`` line through ``logging.getLogger("torchfeed")``.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from ._transport._space import human
@@ -17,6 +18,11 @@ from ._transport._space import human
 logger = logging.getLogger("torchfeed")
 
 STALL_WARN = 0.10   # stall fractions above this are called data-bound in str()
+# thread workers: read as GIL-bound from this share on (thread_gil_share), only when
+# together they were busy GIL_MIN_BUSY workers' worth and computed on GIL_MIN_CPU of a CPU
+GIL_BOUND = 0.5
+GIL_MIN_BUSY = 1.5
+GIL_MIN_CPU = 0.6
 BUSY_SATURATED = 0.80
 START_DOMINATES = 0.5  # worker start-up above this share of the epoch is called out
 
@@ -58,8 +64,13 @@ class LoaderStats(dict):
     def __str__(self) -> str:
         s = self
         n = s["num_workers"]
-        head = (f"torchfeed loader stats: epoch {s['epoch']}, "
-                + (f"{n} workers, transport {s['transport']}" if n else "num_workers=0 (loading in the main process)")
+        if not n:
+            kind = "num_workers=0 (loading in the main process)"
+        elif s.get("worker_method") == "thread":
+            kind = f"{n} worker threads (batches by reference)"
+        else:
+            kind = f"{n} workers, transport {s['transport']}"
+        head = (f"torchfeed loader stats: epoch {s['epoch']}, {kind}"
                 + ("" if s["state"] == "running" else f", {s['state']}"))
         rate = s["batches_yielded"] / s["wall_seconds"] if s["wall_seconds"] else 0.0
         lines = [
@@ -133,12 +144,46 @@ def verdict(s) -> str:
         return (f"data-bound: loading takes {100 * stall:.0f}% of the time in the main process; "
                 "try num_workers > 0")
     busy = min(w["busy_fraction"] for w in s["workers"])
+    gil = thread_gil_share(s)
+    if gil is not None and gil >= GIL_BOUND:
+        computed = sum(w.get("cpu_seconds") or 0.0 for w in s["workers"]) / s["wall_seconds"]
+        together = sum(w["busy_fraction"] for w in s["workers"])
+        return (f"data-bound: the loop waited {100 * stall:.0f}% of the time; the "
+                f"{s['num_workers']} worker threads were busy {100 * together:.0f}% of it together "
+                f"but computed on {computed:.1f} CPU between them: `__getitem__` holds the GIL "
+                f"about {100 * gil:.0f}% of its time, so threads wait on each other. Use "
+                "worker_method='multiprocessing' (python -m torchfeed.tune measures both)")
     if busy >= BUSY_SATURATED:
         return (f"data-bound: the loop waited {100 * stall:.0f}% of the time and every worker "
                 "is busy; add workers or make __getitem__/collate_fn cheaper")
     return (f"data-bound: the loop waited {100 * stall:.0f}% of the time and the least busy "
             f"worker was idle {100 * (1 - busy):.0f}% of it; raise prefetch_factor or look at the "
             "main process (transport, pinning). Short runs also count worker start-up")
+
+
+def thread_gil_share(s) -> float | None:
+    """For thread workers: the share of their tasks' time spent holding the GIL,
+    by Amdahl's law, from what they did together.  ``k`` threads busy at once
+    on average (their busy fractions summed) that computed on ``S`` CPUs'
+    worth (their tasks' thread CPU time over the wall time) were serialised
+    for a share ``(k / S - 1) / (k - 1)``.  Only where that reading means
+    something: two or more threads mostly busy together, on as many cores,
+    computing on at least ``GIL_MIN_CPU`` of a CPU (a thread that waits on I/O
+    computes on little, and holds nothing).  None otherwise."""
+    if s.get("worker_method") != "thread" or s["num_workers"] < 2 or not s["wall_seconds"]:
+        return None
+    workers = s["workers"]
+    k = sum(w["busy_fraction"] for w in workers)
+    cpu = sum(w.get("cpu_seconds") or 0.0 for w in workers) / s["wall_seconds"]
+    if k < GIL_MIN_BUSY or cpu < GIL_MIN_CPU or _cores() < 2:
+        return None
+    k = min(k, float(_cores()))  # more threads than cores compete for cores as well
+    return min(1.0, max(0.0, (k / cpu - 1) / (k - 1)))
+
+
+def _cores() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; os.cpu_count() elsewhere
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 def starting_dominates(s) -> bool:

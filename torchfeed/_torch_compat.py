@@ -20,6 +20,11 @@ installed release gives.  What changed, from each release's
   be pickled gets a warning before pickle's error.
 * 2.11: ``pin_memory()`` asks an object's own ``pin_memory()`` first, before
   the containers, and pins tensors without passing a device.
+* 2.13: ``WorkerInfo`` has ``rng`` and ``worker_method`` fields, and
+  ``torch.thread_safe_generator()`` returns a thread worker's own generator.
+  No release up to 2.15 has thread workers themselves (pytorch PR 161044:
+  ``DataLoader(worker_method="thread")``, ``get_worker_info()`` read from a
+  thread-local first); where a release does, the questions below say so.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import re
 
 import torch
 import torch.utils.data
+import torch.utils.data._utils.worker as _torch_worker
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -42,6 +48,16 @@ TORCH_RELEASE = _release(torch.__version__)
 
 # The constructor's own signature says whether it takes in_order (2.6 on).
 TAKES_IN_ORDER = "in_order" in inspect.signature(torch.utils.data.DataLoader.__init__).parameters
+
+# torch's own thread workers (pytorch PR 161044): the constructor takes
+# worker_method, and get_worker_info() reads a thread-local first.  No release
+# up to 2.15 has them; torchfeed provides both where torch does not.
+TAKES_WORKER_METHOD = "worker_method" in inspect.signature(torch.utils.data.DataLoader.__init__).parameters
+THREAD_LOCAL_WORKER_INFO = hasattr(_torch_worker, "_thread_local_worker_info")
+# WorkerInfo's rng and worker_method fields (2.13 on; before, WorkerInfo took
+# any keyword and kept it as an attribute) and torch's container for a thread
+# worker's generators (None before 2.13).
+WORKER_INFO_RNG = getattr(_torch_worker, "_RNG", None)
 
 # Without pin_memory_device the loader pins for the current accelerator (2.7 on,
 # warning when there is none), before that for CUDA, silently without it.

@@ -1,10 +1,11 @@
-"""The num_workers / prefetch_factor tuner: ``torchfeed.tune(dataset_or_loader, ...)``.
+"""The num_workers / prefetch_factor / worker_method tuner: ``torchfeed.tune(dataset_or_loader, ...)``.
 
 Owns the sweep and its notes.  It times the user's own data at
 ``num_workers`` 0, 1, 2, ... up to the usable core count, each worker count at
-a few ``prefetch_factor`` values, and recommends the cheapest setting within a
+a few ``prefetch_factor`` values and with both kinds of worker (processes and
+threads, ``worker_method``), and recommends the cheapest setting within a
 small margin of the best throughput, saying why (the rows, the result and the
-rule that picks are ``_tuner_report.py``'s).  Timing goes through the
+rule that picks, threads or processes included, are ``_tuner_report.py``'s).  Timing goes through the
 bench's :func:`~torchfeed.bench.measure.time_loader`, so a tuner figure and a
 bench figure mean the same thing.  ``python -m torchfeed.tune`` is the
 command-line front end (:mod:`torchfeed.tune.__main__`).
@@ -18,6 +19,7 @@ from typing import Any, Sequence
 import torch.utils.data
 from torch.utils.data import DataLoader, IterableDataset
 
+from ._options import WORKER_METHODS
 from ._progress import Progress
 from ._stats_report import START_DOMINATES
 from ._torch_compat import TAKES_IN_ORDER
@@ -121,6 +123,19 @@ def _worker_start(row: TuneRow, made: list, timing) -> None:
     row.worker_start_fraction = min(1.0, start * timing.epochs_started / max(run, 1e-9))
 
 
+def _methods(cls: type, wanted: Sequence[str]) -> list[str]:
+    """The kinds of worker to measure: those asked for that ``cls`` takes (torch's
+    own DataLoader takes no worker_method before a release that has thread workers)."""
+    for method in wanted:
+        if method not in WORKER_METHODS:
+            raise ValueError(f"worker_methods must be taken from {', '.join(map(repr, WORKER_METHODS))}, "
+                             f"got {method!r}")
+    if not wanted:
+        raise ValueError("worker_methods must name at least one kind of worker")
+    takes = "worker_method" in inspect.signature(cls).parameters
+    return list(dict.fromkeys(wanted)) if takes else ["multiprocessing"]
+
+
 def _describe(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)[-1:]
     where = f" (at {frames[0].filename}:{frames[0].lineno})" if frames else ""
@@ -129,13 +144,16 @@ def _describe(exc: BaseException) -> str:
 
 def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float = 2.0,
          max_workers: int | None = None, prefetch_factors: Sequence[int] = (2, 4),
-         plot: str | None = None, progress: bool = True, verbose: bool = True) -> TuneResult:
-    """Measure batches/s over num_workers and prefetch_factor; recommend a setting.
+         plot: str | None = None, progress: bool = True, verbose: bool = True,
+         worker_methods: Sequence[str] = WORKER_METHODS) -> TuneResult:
+    """Measure batches/s over num_workers, prefetch_factor and worker_method; recommend a setting.
 
     Times the loader at ``num_workers`` 0, 1, 2, ... up to ``max_workers``,
-    each worker count at every ``prefetch_factor`` given, for ``seconds``
-    each after its first batch, and recommends the cheapest setting within 5%
-    of the best throughput, saying why.  A setting that fails is left out and
+    each worker count at every ``prefetch_factor`` given and with each kind of
+    worker in ``worker_methods``, for ``seconds`` each after its first batch,
+    and recommends the cheapest setting within 5% of the best throughput,
+    saying why (threads unless processes are more than 5% faster, with the
+    share of ``__getitem__`` that holds the GIL).  A setting that fails is left out and
     named in the notes.  Also ``python -m torchfeed.tune MODULE:FACTORY``.
 
     Args:
@@ -152,10 +170,14 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
             ``pip install 'torchfeed[plot]'``).
         progress (bool): show a progress display on stderr.
         verbose (bool): print the table and the advice.
+        worker_methods (Sequence[str]): the kinds of worker to measure,
+            ``"multiprocessing"`` and ``"thread"`` by default (a loader class
+            without ``worker_method``, torch's own, gets processes).
 
     Returns:
-        TuneResult: the measured rows, the recommended ``num_workers`` and
-            ``prefetch_factor`` (``loader_kwargs``), the reason and the notes.
+        TuneResult: the measured rows, the recommended ``num_workers``,
+            ``prefetch_factor`` and ``worker_method`` (``loader_kwargs``), the
+            reason and the notes.
 
     Raises:
         ValueError: ``seconds`` is not positive, ``max_workers`` is negative,
@@ -176,6 +198,7 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
     if not factors or factors[0] < 1:
         raise ValueError(f"prefetch_factors must be at least 1, got {list(prefetch_factors)}")
     cls, base = loader_arguments(dataset_or_loader, batch_size)
+    methods = _methods(cls, worker_methods)
     notes = []
     if load >= 0.5 * cores:
         # Workers need idle cores; on a busy machine the sweep measures the
@@ -186,7 +209,8 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
     if not isinstance(dataset_or_loader, DataLoader) and batch_size is None:
         notes.append("batch_size not given: measured with torch's default of 1")
 
-    settings = [(0, None)] + [(n, p) for n in range(1, max_workers + 1) for p in factors]
+    settings = [(0, None, None)] + [(n, p, m) for n in range(1, max_workers + 1) for p in factors
+                                    for m in methods]
     rows = []
     with Progress(len(settings) + 1, "torchfeed.tune", enabled=progress) as bar:
         # A couple of untimed in-process batches first: the first run in a
@@ -199,9 +223,12 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
                         batches=2, restart_epochs=True)
         except Exception:
             pass  # the num_workers=0 setting below fails the same way and reports it
-        for workers, factor in settings:
-            bar.step(f"num_workers={workers}" + (f" prefetch_factor={factor}" if factor else ""))
+        for workers, factor, method in settings:
+            bar.step(f"num_workers={workers}" + (f" prefetch_factor={factor}" if factor else "")
+                     + (" worker_method=thread" if method == "thread" else ""))
             kwargs = dict(base, num_workers=workers)
+            if len(methods) > 1 or "worker_method" in base:
+                kwargs["worker_method"] = method or "multiprocessing"
             if workers == 0:
                 # torch rejects these without workers; they only govern workers anyway.
                 kwargs["persistent_workers"] = False
@@ -209,7 +236,7 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
                 kwargs["multiprocessing_context"] = None
             else:
                 kwargs["prefetch_factor"] = factor
-            row = TuneRow(workers, factor)
+            row = TuneRow(workers, factor, worker_method=method)
             made: list = []  # without persistent workers a loader holds no process once iterated
             keep = workers > 0 and not kwargs.get("persistent_workers")
             try:
@@ -244,7 +271,8 @@ def tune(dataset_or_loader: Any, batch_size: int | None = None, seconds: float =
         notes.append(f"some settings produced fewer than {_FEW_BATCHES} batches in {seconds:g} s; "
                      "raise seconds for a steadier measurement")
     result = TuneResult(rows, pick.num_workers, pick.prefetch_factor, reason, seconds,
-                        base.get("batch_size"), cores, notes)
+                        base.get("batch_size"), cores, notes,
+                        worker_method=pick.worker_method if len(methods) > 1 else None)
     if verbose:
         print(result, flush=True)
     if plot is not None:

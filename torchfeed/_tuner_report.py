@@ -5,6 +5,14 @@ result that ``torchfeed.tune`` returns (its table, its ``str()``, its plot and
 the recommended loader arguments), and the rule that picks the recommended
 setting and says why: the cheapest setting within ``TOLERANCE`` of the best
 throughput.
+
+Threads or processes, when both were measured: each kind gets its own pick
+by that rule, and threads win unless they fall more than ``TOLERANCE`` short
+of processes, since within it they cost less (no worker processes, no copy
+of the dataset, nothing pickled, no start-up).  The reason says how much of
+its time ``__getitem__`` holds the GIL, read off the threads' own scaling
+(``gil_share``): with ``k`` threads ``S`` times as fast as one, Amdahl's law
+puts the serialised share at ``(k / S - 1) / (k - 1)``.
 """
 from __future__ import annotations
 
@@ -47,6 +55,8 @@ class TuneRow:
     # epoch's, from stats()), and the share of the run that all starts took.
     worker_start_s: float | None = None
     worker_start_fraction: float | None = None
+    # "multiprocessing" or "thread"; None without workers
+    worker_method: str | None = None
 
 
 @dataclass
@@ -75,6 +85,8 @@ class TuneResult:
     batch_size: int | None
     cores: int
     notes: list[str] = field(default_factory=list)
+    # the recommended kind of worker, when both kinds were measured
+    worker_method: str | None = None
 
     @property
     def loader_kwargs(self) -> dict[str, Any]:
@@ -82,7 +94,14 @@ class TuneResult:
         kwargs: dict[str, Any] = {"num_workers": self.num_workers}
         if self.num_workers > 0:
             kwargs["prefetch_factor"] = self.prefetch_factor
+            if self.worker_method is not None:
+                kwargs["worker_method"] = self.worker_method
         return kwargs
+
+    def _picked(self, r: TuneRow) -> bool:
+        return ((r.num_workers, r.prefetch_factor) == (self.num_workers, self.prefetch_factor)
+                and (self.worker_method is None or r.num_workers == 0
+                     or r.worker_method == self.worker_method))
 
     def to_dict(self) -> dict[str, Any]:
         """Everything above as plain values (what ``--json`` writes), with ``loader_kwargs``."""
@@ -92,12 +111,12 @@ class TuneResult:
 
     def table(self) -> str:
         """The measured rows as a text table, the recommended one marked."""
-        header = ["num_workers", "prefetch_factor", "batches/s", "vs best",
+        header = ["num_workers", "prefetch_factor", "workers", "batches/s", "vs best",
                   "first batch ms", "main CPU us/batch", "peak MiB", "batches", ""]
         best = max((r.batches_per_s or 0.0 for r in self.rows), default=0.0)
         body = []
         for r in self.rows:
-            picked = (r.num_workers, r.prefetch_factor) == (self.num_workers, self.prefetch_factor)
+            picked = self._picked(r)
             if r.error:
                 cells = ["error"] + [""] * 5 + [r.error.splitlines()[0][:60]]
             else:
@@ -106,8 +125,9 @@ class TuneResult:
                          f"{r.first_batch_s * 1e3:.0f}", f"{r.cpu_us_per_batch:.0f}",
                          f"{(r.peak_mem_bytes or 0) / (1 << 20):.0f}", str(r.batches),
                          "<- recommended" if picked else ""]
+            kind = {"thread": "threads", "multiprocessing": "processes"}.get(r.worker_method or "", "-")
             body.append([str(r.num_workers), "-" if r.prefetch_factor is None
-                         else str(r.prefetch_factor)] + cells)
+                         else str(r.prefetch_factor), kind] + cells)
         widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
         lines = ["  ".join(c.rjust(w) if i < len(header) - 1 else c
                            for i, (c, w) in enumerate(zip(row, widths))).rstrip()
@@ -137,14 +157,16 @@ class TuneResult:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         ok = [r for r in self.rows if r.error is None]
         zero = [r for r in ok if r.num_workers == 0]
-        for pf in sorted({r.prefetch_factor for r in ok if r.prefetch_factor is not None}):
-            line = zero + [r for r in ok if r.prefetch_factor == pf]
-            ax.plot([r.num_workers for r in line], [r.batches_per_s for r in line],
-                    marker="o", label=f"prefetch_factor={pf}")
+        kinds = sorted({r.worker_method for r in ok if r.num_workers}, key=str)
+        for kind in kinds:
+            for pf in sorted({r.prefetch_factor for r in ok if r.prefetch_factor is not None}):
+                line = zero + [r for r in ok if r.prefetch_factor == pf and r.worker_method == kind]
+                label = f"prefetch_factor={pf}" + (f", {kind}" if len(kinds) > 1 else "")
+                ax.plot([r.num_workers for r in line], [r.batches_per_s for r in line],
+                        marker="o", linestyle="--" if kind == "thread" else "-", label=label)
         if not any(r.num_workers for r in ok):
             ax.plot([r.num_workers for r in zero], [r.batches_per_s for r in zero], marker="o")
-        picked = [r for r in ok if (r.num_workers, r.prefetch_factor)
-                  == (self.num_workers, self.prefetch_factor)]
+        picked = [r for r in ok if self._picked(r)]
         ax.plot([r.num_workers for r in picked], [r.batches_per_s for r in picked], marker="*",
                 markersize=16, linestyle="none", color="black", label="recommended")
         ax.set_xlabel("num_workers")
@@ -178,6 +200,68 @@ def workers_text(n: int) -> str:
 
 def recommend(rows: Sequence[TuneRow], cores: int,
               tolerance: float = TOLERANCE) -> tuple[TuneRow, str]:
+    """The cheapest setting within ``tolerance`` of the best, and why; with both
+    kinds of worker measured, the kind too (threads unless processes are more
+    than ``tolerance`` faster)."""
+    kinds = {r.worker_method for r in rows if r.num_workers and r.error is None and r.batches_per_s}
+    if kinds != {"multiprocessing", "thread"}:
+        return _recommend_workers(rows, cores, tolerance)
+    processes, why_processes = _recommend_workers(
+        [r for r in rows if r.worker_method != "thread"], cores, tolerance)
+    threads, why_threads = _recommend_workers(
+        [r for r in rows if r.worker_method != "multiprocessing"], cores, tolerance)
+    gil = gil_share(rows, cores)
+    held = ("" if gil is None else
+            f"`__getitem__` holds the GIL about {gil[0]:.0%} of its time ({workers_text(gil[1])} "
+            f"as threads loaded {gil[2]:.2f}x as fast as 1)")
+    if threads.num_workers == 0 and processes.num_workers == 0:
+        return _recommend_workers(rows, cores, tolerance)  # no workers of either kind pay off
+    if threads.num_workers == 0:  # processes pay off, threads do not
+        return processes, ("worker_method='multiprocessing': threads never loaded faster than "
+                           "num_workers=0" + (f"; {held}" if held else "") + f". {why_processes}")
+    if processes.num_workers == 0:
+        return threads, (f"worker_method='thread': threads load faster than num_workers=0, "
+                         f"processes do not. {why_threads}")
+    if threads.batches_per_s >= processes.batches_per_s * (1 - tolerance):
+        change = threads.batches_per_s / processes.batches_per_s - 1
+        versus = (f"{change:.0%} faster than" if change > 0 else
+                  f"within the {tolerance:.0%} margin of" if change > -0.005 else
+                  f"only {-change:.0%} slower than, within the {tolerance:.0%} margin of")
+        reason = (f"worker_method='thread': {workers_text(threads.num_workers)} as threads load "
+                  f"{threads.batches_per_s:.1f} batches/s, {versus} processes "
+                  f"({processes.batches_per_s:.1f} with {workers_text(processes.num_workers)}), "
+                  "and threads start at once, copy no dataset and pickle no batch"
+                  + (f"; {held}" if held and gil is not None and gil[0] >= 0.5 else "")
+                  + f". {why_threads}")
+        return threads, reason
+    slower = 1 - threads.batches_per_s / processes.batches_per_s
+    reason = (f"worker_method='multiprocessing': threads load only {threads.batches_per_s:.1f} "
+              f"batches/s, {slower:.0%} slower than processes ({processes.batches_per_s:.1f})"
+              + (f": {held}" if held else "") + f". {why_processes}")
+    return processes, reason
+
+
+def gil_share(rows: Sequence[TuneRow], cores: int) -> tuple[float, int, float] | None:
+    """(the share of ``__getitem__``'s time spent holding the GIL, k, S), from the
+    thread rows: S, how many times as fast ``k`` threads loaded as one (each
+    at its best prefetch_factor, k the most threads tried, at most ``cores``).
+    Amdahl's law for k workers of which a share g is serialised: S = 1 / (g +
+    (1 - g) / k), so g = (k / S - 1) / (k - 1).  None without such rows."""
+    best: dict[int, float] = {}
+    for r in rows:
+        if r.worker_method == "thread" and r.error is None and r.batches_per_s:
+            best[r.num_workers] = max(best.get(r.num_workers, 0.0), r.batches_per_s)
+    counts = [k for k in best if 2 <= k <= max(cores, 2)]
+    if 1 not in best or not counts:
+        return None
+    k = max(counts)
+    speedup = best[k] / best[1]
+    share = (k / speedup - 1) / (k - 1)
+    return min(1.0, max(0.0, share)), k, speedup
+
+
+def _recommend_workers(rows: Sequence[TuneRow], cores: int,
+                       tolerance: float = TOLERANCE) -> tuple[TuneRow, str]:
     """The cheapest setting within ``tolerance`` of the best, and why."""
     ok = [r for r in rows if r.error is None and r.batches_per_s]
     if not ok:

@@ -47,11 +47,11 @@ import torch.utils.data._utils.worker as _torch_worker
 from . import _fault_hook, _host, _seeding, _stack_dump, _worker_tempdir
 from ._datapipes import seed_graph, shard_graph
 from ._errors import WorkerFailure, add_note
-from ._fetch import create_fetcher
+from ._fetch import Fetched, create_fetcher, fetch_task
 from ._ipc import ResultWriter, Stopped, become_write_only, reader_ready
 from ._pickling import describe_unpicklable, find_unpicklable
 from ._protocol import IterableExhausted, ResumeIteration, StatefulResult, Task, WorkerResume
-from ._stateful import StateTaker, take_state
+from ._stateful import StateTaker
 from ._transport import Plain
 
 POLL_INTERVAL = 0.25  # seconds between checks that the main process is alive
@@ -361,26 +361,14 @@ def _run_task(task: Task, fetcher, taker, spec: WorkerSpec, worker_id: int, epoc
               packer):
     if spec.seed_per_batch:
         _seeding.seed_batch(spec.base_seed, epoch, task.batch_index)
+    fetched = fetch_task(task, fetcher, taker, spec.is_iterable, worker_id)
+    if not isinstance(fetched, Fetched):
+        return fetched  # a WorkerFailure or IterableExhausted
     try:
-        batch = fetcher.fetch(task.indices)
-        state = take_state(taker, fetcher)
-    except StopIteration:
-        if spec.is_iterable:
-            return IterableExhausted(worker_id, take_state(taker, fetcher))
-        return WorkerFailure(RuntimeError("StopIteration raised while fetching a batch"),
-                             worker_id, "fetching", task.indices, task.batch_index)
-    except Exception as exc:
-        return WorkerFailure(exc, worker_id, "fetching", task.indices, task.batch_index)
-    try:
-        payload = packer.pack(batch)
+        payload = packer.pack(fetched.batch)
     except Exception as exc:
         # The shared-memory packer pickles the non-array leaves; name the one that failed.
-        if find_unpicklable(batch) is not None:
-            return _unsendable(exc, describe_unpicklable(batch), worker_id, task)
+        if find_unpicklable(fetched.batch) is not None:
+            return _unsendable(exc, describe_unpicklable(fetched.batch), worker_id, task)
         return WorkerFailure(exc, worker_id, "packing", task.indices, task.batch_index)
-    short = fetcher.last_size if spec.is_iterable else None  # the samples a short batch holds
-    if state is not None and state.dataset_state is None and state.iterator_state is None:
-        state = None  # nothing Stateful here: the batch goes unwrapped, as without state
-    if (spec.ships_state and state is not None) or short is not None:
-        return StatefulResult(payload, state, getattr(fetcher, "exhausted", False), short)
-    return payload
+    return fetched.wrap(payload, spec.ships_state)

@@ -13,6 +13,7 @@ loader rebuilt from its attributes keeps them too.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, TypeVar, cast
 
 import torch.utils.data
@@ -22,7 +23,13 @@ from ._device import validate_device
 from ._errors import explain_start_method, nested_worker_error
 from ._iterator_base import BaseIterator
 from ._multiprocess import MultiProcessIterator
-from ._options import resolve_log_every, resolve_transport, validate_max_worker_restarts, validate_options
+from ._options import (
+    resolve_log_every,
+    resolve_transport,
+    validate_max_worker_restarts,
+    validate_options,
+    validate_worker_method,
+)
 from ._prepared import (
     accelerate_rebuilds,
     framework_snapshot,
@@ -34,7 +41,8 @@ from ._prepared import (
 from ._single_process import SingleProcessIterator
 from ._stats import empty_stats
 from ._stats_report import LoaderStats
-from ._torch_compat import TAKES_IN_ORDER
+from ._thread_iterator import ThreadIterator
+from ._torch_compat import TAKES_IN_ORDER, TAKES_WORKER_METHOD
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -88,6 +96,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             training loop computes on the one before, and the loop's current
             stream waits for the copy on the GPU.  Default ``None``: batches
             stay on the CPU, as in torch.  See "Feeding a GPU".
+        worker_method (str): torch's argument (pytorch PR 161044), on every
+            release: ``"multiprocessing"`` (the default) loads in
+            ``num_workers`` worker processes; ``"thread"`` in ``num_workers``
+            threads of this process, each with its own ``get_worker_info()``
+            (``worker_method="thread"``, and ``rng``: generators seeded from
+            ``base_seed + id``, which ``torch.thread_safe_generator()``
+            returns).  Batches are handed over by reference, workers start at
+            once and share the loader's dataset.  The same batches, order and
+            ``state_dict()`` as processes.  See "Threads or processes".
         share_dataset (bool): before the workers first start, replace the
             dataset's large attributes (a ``list``, ``tuple``, ``dict``,
             ``defaultdict`` or array of 1 MiB or more, on the dataset, on the
@@ -98,7 +115,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             under ``fork`` and sent as a handle under ``spawn`` and
             ``forkserver``.  Each read builds a fresh object; a write raises
             ``TypeError``.  Done once per loader; nothing is shared with
-            ``num_workers=0``.  Default ``False``.  See "Sharing data".
+            ``num_workers=0``, nor with ``worker_method="thread"``, whose
+            workers read the dataset itself.  Default ``False``.  See
+            "Sharing data".
 
     Raises:
         TypeError: ``seed_per_batch`` or ``share_dataset`` is not a bool;
@@ -109,7 +128,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             ``TORCHFEED_LOG_EVERY``) is not a positive number of batches;
             ``max_worker_restarts`` is negative, or not 0 with an
             ``IterableDataset``; ``snapshot_every_n_steps`` is not an int;
-            ``device`` is neither a CUDA device nor ``"cpu"``.
+            ``device`` is neither a CUDA device nor ``"cpu"``;
+            ``worker_method`` is neither ``"multiprocessing"`` nor
+            ``"thread"``.
 
     Iterating raises what torch's iterator raises (a worker that died, a
     timeout, an exception in the dataset or ``collate_fn``), with torch's type
@@ -126,10 +147,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                  num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
-                 in_order=_NOT_GIVEN, transport=None, seed_per_batch=False,
-                 snapshot_every_n_steps=None, log_every=None, max_worker_restarts=0,
-                 device=None, share_dataset=False):
+                 in_order=_NOT_GIVEN, worker_method="multiprocessing", transport=None,
+                 seed_per_batch=False, snapshot_every_n_steps=None, log_every=None,
+                 max_worker_restarts=0, device=None, share_dataset=False):
         releases_only = {} if in_order is _NOT_GIVEN else {"in_order": in_order}
+        if TAKES_WORKER_METHOD:  # torch checks it, in its own words
+            releases_only["worker_method"] = worker_method
         try:
             super().__init__(
                 dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
@@ -143,13 +166,21 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             explain_start_method(exc, multiprocessing_context)
             raise
         self._set_options(dataset, transport, seed_per_batch, snapshot_every_n_steps,
-                          log_every, max_worker_restarts, device, share_dataset)
+                          log_every, max_worker_restarts, device, share_dataset, worker_method)
 
     def _set_options(self, dataset, transport, seed_per_batch, snapshot_every_n_steps,
-                     log_every, max_worker_restarts, device, share_dataset) -> None:
+                     log_every, max_worker_restarts, device, share_dataset,
+                     worker_method) -> None:
         validate_options(seed_per_batch=seed_per_batch,
                          snapshot_every_n_steps=snapshot_every_n_steps,
                          share_dataset=share_dataset)
+        validate_worker_method(worker_method)
+        self.worker_method = worker_method
+        if share_dataset and worker_method == "thread":
+            warnings.warn(
+                "share_dataset=True is not needed with worker_method='thread': worker threads "
+                "read the loader's dataset itself, with no copy to share. It is accepted and "
+                "does nothing here.", UserWarning, stacklevel=3)
         self.share_dataset = share_dataset
         self.transport = resolve_transport(transport, self.num_workers)
         self.seed_per_batch = seed_per_batch
@@ -273,6 +304,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def _get_iterator(self):
         if self.num_workers == 0:
             return SingleProcessIterator(self)
+        if getattr(self, "worker_method", "multiprocessing") == "thread":
+            self.check_worker_number_rationality()
+            return ThreadIterator(self)
         error = nested_worker_error(self.num_workers)
         if error is not None:
             raise error

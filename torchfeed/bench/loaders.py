@@ -10,7 +10,10 @@ arguments every column shares (``batch_size``, ``num_workers``,
 - the peers, the loaders users compare us with: ``torchdata`` (torchdata's
   ``StatefulDataLoader``) and ``spdl`` (SPDL's ``get_pytorch_dataloader``).
   They are optional: ``pip install 'torchfeed[bench]'`` installs them, and a
-  missing one costs its column, with a one-line note, never the run.
+  missing one costs its column, with a one-line note, never the run;
+- ``threads``: torchfeed with ``worker_method="thread"``, so that the
+  ``torchfeed`` column's processes are compared with torchfeed's threads in
+  the same table (``benchmarks/thread_workers.py`` has the full comparison).
 
 A new column is one more entry in ``PEERS``.
 """
@@ -32,6 +35,7 @@ BASELINE = "torch@0"
 
 TORCHDATA = "torchdata"
 SPDL = "spdl"
+THREADS = "threads"
 
 
 def _torchdata(dataset, **kwargs):
@@ -42,6 +46,12 @@ def _torchdata(dataset, **kwargs):
         # deprecates: the warning is about torchdata's source, not about the run.
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         return StatefulDataLoader(dataset, **kwargs)
+
+
+def _threads(dataset, **kwargs):
+    import torchfeed
+
+    return torchfeed.DataLoader(dataset, worker_method="thread", **kwargs)
 
 
 def _spdl(dataset, **kwargs):
@@ -63,6 +73,7 @@ class Peer:
     build: Callable[..., Iterable]
     # Where it cannot take num_workers=0 (it would start a worker anyway).
     needs_workers: bool = False
+    no_workers_note: str = "it has no num_workers=0 mode (it would start a worker process anyway)"
     # What the report should say whenever its column ran.
     caveat: str | None = None
 
@@ -75,6 +86,10 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
          caveat="spdl copies the pickled dataset into a /dev/shm segment per loader and "
                 "does not unlink it; Python's resource_tracker removes them when the bench "
                 "exits, with a 'leaked shared_memory objects' warning"),
+    Peer(THREADS, "torchfeed with worker_method='thread'", "torchfeed", "torchfeed", _threads,
+         needs_workers=True, no_workers_note="with num_workers=0 it is the torchfeed column",
+         caveat="threads' workers are threads of the consuming process: its main CPU and peak "
+                "MiB hold their loading and their batches, which for the others are the workers'"),
 ]}
 
 
@@ -100,8 +115,7 @@ def peer_note(name: str, num_workers: int) -> str | None:
         return (f"{name}: column skipped, {problem} "
                 f"(pip install {peer.pip}, or pip install 'torchfeed[bench]')")
     if peer.needs_workers and num_workers == 0:
-        return (f"{name}: column skipped, it has no num_workers=0 mode "
-                "(it would start a worker process anyway)")
+        return f"{name}: column skipped, {peer.no_workers_note}"
     return None
 
 

@@ -112,11 +112,19 @@ def _factors(text: str) -> list[int]:
     return values
 
 
+def _methods(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in ("multiprocessing", "thread") for v in values):
+        raise argparse.ArgumentTypeError(f"expected multiprocessing, thread or both, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m torchfeed.tune",
         description="Measure batches/s of your own dataset at num_workers 0, 1, 2, ... up to "
-                    "the core count and a few prefetch_factor values, and recommend a setting.",
+                    "the core count, a few prefetch_factor values and both kinds of worker "
+                    "(processes, threads), and recommend a setting.",
         epilog=f"example: {_USAGE_EXAMPLE} --seconds 3 --plot tune.png")
     parser.add_argument("target", metavar="MODULE:FACTORY",
                         help="a function FACTORY in the importable module MODULE that takes no "
@@ -130,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest num_workers to try (default: the usable core count)")
     parser.add_argument("--prefetch-factors", type=_factors, default=[2, 4],
                         help="comma-separated prefetch_factor values to try (default: 2,4)")
+    parser.add_argument("--worker-methods", type=_methods, default=["multiprocessing", "thread"],
+                        help="comma-separated kinds of worker to try: multiprocessing, thread "
+                             "(default: both, and the advice says which)")
     parser.add_argument("--plot", metavar="PNG", default=None,
                         help="write a plot of batches/s to PNG (needs matplotlib: "
                              "pip install 'torchfeed[plot]')")
@@ -161,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = tune(source, batch_size=args.batch_size, seconds=args.seconds,
                       max_workers=args.max_workers, prefetch_factors=args.prefetch_factors,
+                      worker_methods=args.worker_methods,
                       plot=args.plot, progress=not args.no_progress)
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
