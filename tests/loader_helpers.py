@@ -4,6 +4,8 @@ nothing (process, thread, file descriptor) is left behind."""
 from __future__ import annotations
 
 import collections
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import random
 import shutil
@@ -113,13 +115,20 @@ def torch_and_ours(dataset, **kwargs):
 
 
 # -- leaks ------------------------------------------------------------------------------
+def multiprocessing_servers() -> set[int]:
+    """The pids of multiprocessing's own long-lived helpers in this process: the
+    fork server (torchfeed's forkserver preload starts it, in tests/test_scale.py
+    for one, and it serves the rest of the session by design) and the resource
+    tracker.  They are read from the stdlib's singletons, which know their
+    process exactly, so a worker (even one forked by the server, which has the
+    server's command line) never passes for one."""
+    pids = {getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+            getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)}
+    return {pid for pid in pids if pid is not None}
+
+
 def _is_helper_process(proc: psutil.Process) -> bool:
-    """multiprocessing's own long-lived helpers, started once per test session."""
-    try:
-        cmdline = " ".join(proc.cmdline())
-    except psutil.Error:
-        return False
-    return "resource_tracker" in cmdline or "forkserver" in cmdline
+    return proc.pid in multiprocessing_servers()
 
 
 def live_children() -> list[psutil.Process]:

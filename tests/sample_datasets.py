@@ -105,16 +105,19 @@ def custom_type_collate(samples):
 
 
 class SlowIndexDataset(Dataset):
-    """Sample ``slow`` takes ``delay`` seconds; the rest are instant."""
+    """Sample ``slow`` takes ``delay`` seconds; the rest are instant.  With
+    ``mark``, a file of that name is made as the slow sample begins."""
 
-    def __init__(self, n: int = 12, slow: int = 0, delay: float = 1.0):
-        self.n, self.slow, self.delay = n, slow, delay
+    def __init__(self, n: int = 12, slow: int = 0, delay: float = 1.0, mark: str | None = None):
+        self.n, self.slow, self.delay, self.mark = n, slow, delay, mark
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
         if i == self.slow:
+            if self.mark is not None:
+                open(self.mark, "w").close()
             time.sleep(self.delay)
         return i
 

@@ -487,20 +487,55 @@ def test_timeout_without_workers_refused_in_torchs_words():
                         "timeout=0, or num_workers > 0")
 
 
+class HoldsALambda(Faulty):
+    """A dataset that cannot be pickled: it holds a lambda."""
+
+    def __init__(self):
+        super().__init__("none")
+        self.transform = lambda x: x
+
+
+@pytest.fixture
+def default_start_method(request):
+    """The default start method for the test's length: Python 3.14's forkserver
+    (on Linux) where the parameter says so, put back after; ``None`` leaves it."""
+    method = request.param
+    if method is None:
+        yield None
+        return
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(method, force=True)
+    try:
+        yield method
+    finally:
+        multiprocessing.set_start_method(before, force=True)
+
+
 @pytest.mark.timeout(60)
-def test_unpicklable_worker_arguments_in_torchs_words():
+@pytest.mark.parametrize("default_start_method, unpicklable", [
+    (None, "collate_fn"), ("forkserver", "collate_fn"), ("forkserver", "dataset")],
+    indirect=["default_start_method"])
+def test_unpicklable_worker_arguments_in_torchs_words(default_start_method, unpicklable):
     """torch warns (2.10 on), then re-raises pickle's own error; so do we, then
-    say which argument and what to do."""
+    say which argument and what to do: under spawn asked for, and under
+    forkserver as the default start method, as on Python 3.14's Linux, where a
+    loader given no multiprocessing_context pickles what it sends its workers
+    (pytorch #138957)."""
     def local_collate(batch):  # a local function: spawn cannot pickle it
         return batch
 
+    if unpicklable == "collate_fn":
+        dataset, kwargs = Faulty("none"), {"collate_fn": local_collate}
+    else:
+        dataset, kwargs = HoldsALambda(), {}
+    if default_start_method is None:
+        kwargs["multiprocessing_context"] = "spawn"
     results = []
     for cls in (torch.utils.data.DataLoader, torchfeed.DataLoader):
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             with pytest.raises(Exception) as info:
-                iter(cls(Faulty("none"), num_workers=1, multiprocessing_context="spawn",
-                         collate_fn=local_collate))
+                iter(cls(dataset, num_workers=1, **kwargs))
         pickle_warnings = [str(w.message) for w in record if "pickle error" in str(w.message)]
         results.append((type(info.value), str(info.value), pickle_warnings))
     (theirs_type, theirs, theirs_warned), (ours_type, ours, ours_warned) = results
@@ -510,7 +545,7 @@ def test_unpicklable_worker_arguments_in_torchs_words():
     assert len(ours_warned) == (TORCH_RELEASE >= (2, 10))
     assert all(w.startswith("Got pickle error when attempting to start a worker Process")
                for w in ours_warned)
-    assert "collate_fn" in ours and "module level" in ours
+    assert unpicklable in ours and "module level" in ours
 
 
 class PinFails:

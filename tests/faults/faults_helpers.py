@@ -2,8 +2,6 @@
 listing, and running a loader until it fails (and when)."""
 from __future__ import annotations
 
-import multiprocessing.forkserver
-import multiprocessing.resource_tracker
 import os
 import re
 import time
@@ -11,6 +9,7 @@ from dataclasses import dataclass
 
 import psutil
 import pytest
+from loader_helpers import multiprocessing_servers
 
 SURFACE_WITHIN = 5.0  # the issue's bound between a fault and its error
 SHM_DIR = "/dev/shm"
@@ -68,18 +67,6 @@ def foreign_shm(name: str, ours: set[int]) -> bool:
         except OSError:
             continue
     return False
-
-
-def multiprocessing_servers() -> set[int]:
-    """The pids of multiprocessing's own long-lived helpers in this process: the
-    fork server (torchfeed's forkserver preload starts it, in tests/test_scale.py
-    for one, and it serves the rest of the session by design) and the resource
-    tracker.  They are read from the stdlib's singletons, which know their
-    process exactly, so a worker (even one forked by the server) never passes
-    for one."""
-    pids = {getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
-            getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)}
-    return {pid for pid in pids if pid is not None}
 
 
 def children_but_servers(process) -> list:
