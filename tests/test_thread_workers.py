@@ -271,11 +271,13 @@ def test_a_thread_that_ends_by_itself_is_reported_not_waited_for():
 def test_datapipes_are_refused_with_the_way_out():
     from torch.utils.data.datapipes.iter import IterableWrapper
 
+    before = set(threading.enumerate())  # a stuck thread of an earlier test may still run
     loader = thread_loader(IterableWrapper(range(4)), num_workers=2)
     with pytest.raises(ValueError, match="worker_method='thread' does not take a DataPipe.*"
                                          "worker_method='multiprocessing'"):
         iter(loader)
-    assert not [t for t in threading.enumerate() if t.name.startswith("torchfeed-worker-")]
+    assert not [t for t in set(threading.enumerate()) - before
+                if t.name.startswith("torchfeed-worker-")]
 
 
 @pytest.mark.skipif(TAKES_WORKER_METHOD, reason="the installed torch checks it in its own words")
