@@ -86,7 +86,11 @@ checks the premise.
 of every test process (``multiprocessing.set_start_method``), as it is on
 Python 3.14's Linux: ``.ci/run`` runs the core tests so, where a loader given
 no ``multiprocessing_context`` starts its workers the way the default says,
-torch's and torchfeed's alike.
+torch's and torchfeed's alike.  The fork server then preloads torch and
+torchfeed, as torchfeed's own preload does where its loader starts the server
+(NOTE [ Forkserver preload ] in torchfeed/_processes.py): where torch's loader
+started it first (the parity tests run torch's loader first), every worker
+imported torch again, a second or more each, and the run took 13 minutes.
 """
 from __future__ import annotations
 
@@ -151,6 +155,8 @@ def pytest_configure(config):
     method = os.environ.get("TORCHFEED_TEST_START_METHOD")
     if method:  # the default start method for the whole run (the docstring's last paragraph)
         multiprocessing.set_start_method(method, force=True)
+        if method == "forkserver":
+            multiprocessing.set_forkserver_preload(["torch", "torchfeed"])
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False  # each group where our order puts it
     in_controller = not hasattr(config, "workerinput")
