@@ -17,7 +17,7 @@ from typing import Any, TypeVar, cast
 
 import torch.utils.data
 
-from . import _state
+from . import _share_job, _state
 from ._device import validate_device
 from ._errors import nested_worker_error
 from ._iterator_base import BaseIterator
@@ -133,6 +133,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.log_every = resolve_log_every(log_every)
         validate_device(device)
         self.device = device
+        _share_job.start(self)  # share_dataset=True: the pass over the data begins now, in a thread
 
     def __iter__(self):
         kept = self.__dict__.get("_iterator")
