@@ -176,7 +176,7 @@ def shared_nbytes(obj) -> int:
     if isinstance(obj, (SharedSequence, SharedMapping)):
         return obj.nbytes
     if isinstance(obj, SharedArray) and obj.shared_buffer is not None:
-        return obj.shared_buffer.parts[obj._shared_part].index_at
+        return obj.shared_buffer.parts[obj._shared_part].extra[4]
     if is_shared(obj):
         return obj.untyped_storage().nbytes()
     return 0

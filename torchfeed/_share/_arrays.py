@@ -47,20 +47,18 @@ def check_array(array: np.ndarray) -> None:
             f"array subclass, whose own behaviour (a mask, fields, matrix shapes) a shared "
             f"array would lose; share np.asarray(x) if that behaviour is not needed, or leave "
             f"it unshared.")
-    if array.dtype.hasobject:
-        raise TypeError("torchfeed.share: a numpy array of dtype object holds Python "
-                        "objects, not values; share a list of them instead (list(array)).")
     if array.dtype.kind == "T":
         raise TypeError("torchfeed.share: a numpy StringDType array keeps its strings outside "
                         "the array's memory; share array.astype(str) (fixed-width) or a "
                         "list of its strings (array.tolist()).")
+    if array.dtype.hasobject:
+        raise TypeError("torchfeed.share: a numpy array of dtype object holds Python "
+                        "objects, not values; share a list of them instead (list(array)).")
 
 
 def attach_array(buffer: SharedBuffer, part: int) -> "SharedArray":
     """Part ``part`` of ``buffer``, mapped copy-on-write in this process."""
-    entry = buffer.parts[part]
-    dtype, shape, strides = entry.extra
-    data_at, nbytes = entry.offsets_at, entry.index_at
+    dtype, shape, strides, data_at, nbytes = buffer.parts[part].extra
     if nbytes:
         mapping, start = buffer.map_private(data_at, nbytes)
     else:
@@ -108,12 +106,12 @@ class SharedArray(np.ndarray):
         buffer = self.shared_buffer
         if buffer is None:
             return False
-        dtype, shape, strides = buffer.parts[self._shared_part].extra
+        dtype, shape, strides, data_at, _ = buffer.parts[self._shared_part].extra
         if (self.dtype, self.shape, self.strides) != (dtype, shape, strides):
             return False
         mapping = self._shared_mapping
         assert mapping is not None
-        start = buffer.parts[self._shared_part].offsets_at % PAGE
+        start = data_at % PAGE
         address = self.__array_interface__["data"][0]
         if address != mapping.ctypes.data + start:
             return False
@@ -126,7 +124,7 @@ class SharedArray(np.ndarray):
     def _reduce_for_process(self):
         if self._whole_and_clean():
             return attach_array, (self._shared_buffer, self._shared_part)
-        return self.view(np.ndarray).__reduce_ex__(5)
+        return np.asarray, (self.view(np.ndarray),)  # pickled with the pickler's protocol
 
 
 reduction.ForkingPickler.register(SharedArray, SharedArray._reduce_for_process)

@@ -13,10 +13,13 @@ Layout of the file (integers little-endian)::
 A part is a container (``("seq", ...)``, ``("map", ...)``), an array
 (``("array", ...)``) or the pack's shared objects (``("objects", ...)``):
 what several records hold is stored once, as a record of its own, and the
-others refer to it (``_writer.py``). A record loads alone, with one
-``pickle.loads`` of a slice of the mapping, into fresh objects; a record that
-refers to others starts with a byte no pickle starts with (``REF``,
-``WITH_REFS``) and loads through ``load_special``.
+others refer to it (``_writer.py``). A container's records form columns: a
+sequence's items, a dict's keys and its values. A column's records load
+alone, each with one call on a slice of the mapping (its ``codec``: a
+``pickle``, or for a column of only ``str``, ``bytes`` or ``int`` items their
+UTF-8 bytes, bytes, or 8-byte integers, with no pickle at all), into fresh
+objects; a pickle record that refers to others starts with a byte no pickle
+starts with (``REF``, ``WITH_REFS``) and loads through ``load_special``.
 
 Lifetime: the memfd has no name, so nothing can be left in ``/dev/shm``; its
 memory goes back when the last descriptor and the last mapping of it go,
@@ -50,7 +53,7 @@ import struct
 import sys
 import weakref
 from multiprocessing import reduction
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -58,10 +61,10 @@ MAGIC = b"TFSHARE2"
 HEADER = struct.Struct("<8sqqqqq")
 HEADER_BYTES = 64
 PAGE = 4096
-PYTHON = sys.hexversion >> 16  # records may be marshal data: read by the same Python only
+PYTHON = sys.hexversion >> 16  # what wrote it: a dict's index holds this Python's number hashes
 
-# A record that is not a pickle: the first byte says what it is (no pickle or
-# marshal data starts with either).
+# A pickle column's record that refers to others: the first byte says how (no
+# pickle starts with either).
 REF = 0xFF        # then "<qq": the record is record (part, r), stored once elsewhere
 WITH_REFS = 0xFE  # then a pickle whose persistent ids (part, r) name records stored elsewhere
 _REF_AT = struct.Struct("<qq")
@@ -73,10 +76,9 @@ class Part(NamedTuple):
     what: str            # "seq", "map", "array", "objects"
     kind: str            # "list", "tuple", "dict", "defaultdict", "ndarray", ""
     items: int           # a container's items (a dict's keys), an array's elements
-    codec: str           # "pickle" or "marshal": how the part's records load
-    offsets_at: int      # records + 1 int64 offsets (arrays: where the data starts)
-    index_at: int        # a dict's key index (arrays: the data's byte length)
-    extra: tuple         # arrays: (dtype, shape, strides); else ()
+    columns: tuple       # ((codec, offsets_at), ...): a dict's keys, then the items
+    index_at: int        # a dict's key index (0: none)
+    extra: tuple         # arrays: (dtype, shape, strides, data_at, nbytes); else ()
 
 
 def supported() -> str | None:
@@ -209,29 +211,27 @@ class SharedBuffer:
                              f"({python >> 8}.{python & 0xFF}); share the data again here")
         self.parts = [Part(*p) for p in
                       pickle.loads(self.view[directory_at:directory_at + directory_len])]
-        self._loaders: dict[int, tuple] = {}
+        self._loaders: dict[tuple, tuple] = {}
 
-    def offsets(self, part: int) -> memoryview:
-        p = self.parts[part]
-        records = 2 * p.items if p.what == "map" else p.items
-        return self.view[p.offsets_at:p.offsets_at + 8 * (records + 1)].cast("q")
+    def column(self, part: int, column: int = -1) -> tuple[memoryview, Callable]:
+        """A column's offsets (one more than its records) and its codec's
+        ``loads``; the last column, the items, by default."""
+        key = (part, column)
+        loader = self._loaders.get(key)
+        if loader is None:
+            p = self.parts[part]
+            codec, at = p.columns[column]
+            offsets = self.view[at:at + 8 * (p.items + 1)].cast("q")
+            loader = self._loaders[key] = (offsets, loads_for(codec))
+        return loader
 
     def index(self, at: int, count: int) -> memoryview:
         """``count`` int64s of a part's index from byte ``at``."""
         return self.view[at:at + 8 * count].cast("q")
 
-    def loads(self, part: int):
-        return loads_for(self.parts[part].codec)
-
-    def _loader(self, part: int) -> tuple:
-        loader = self._loaders.get(part)
-        if loader is None:
-            loader = self._loaders[part] = (self.offsets(part), self.loads(part))
-        return loader
-
     def load(self, part: int, r: int, refs: dict | None = None):
-        """Record ``r`` of ``part``, loaded: fresh objects."""
-        offsets, loads = self._loader(part)
+        """Record ``r`` of ``part``'s items, loaded: fresh objects."""
+        offsets, loads = self.column(part)
         data = self.view[offsets[r]:offsets[r + 1]]
         try:
             return loads(data)
@@ -240,9 +240,10 @@ class SharedBuffer:
                 raise
             return load_special(self, data, refs)
 
-    def records(self, part: int, start: int = 0, stop: int | None = None, step: int = 1):
-        """Records ``start``, ``start + step``, ... of ``part`` before ``stop``, loaded."""
-        offsets, loads = self._loader(part)
+    def records(self, part: int, start: int = 0, stop: int | None = None, step: int = 1,
+                column: int = -1):
+        """Records ``start``, ``start + step``, ... of a column before ``stop``, loaded."""
+        offsets, loads = self.column(part, column)
         view = self.view
         if stop is None:
             stop = len(offsets) - 1
@@ -310,11 +311,16 @@ def _from_handle(dup) -> SharedBuffer:
     return _adopt(dup.detach())
 
 
-def loads_for(codec: str):
-    if codec == "marshal":
-        import marshal
-        return marshal.loads
-    return pickle.loads
+_CODECS: dict[str, Callable] = {
+    "pickle": pickle.loads,
+    "str": functools.partial(str, encoding="utf-8", errors="surrogatepass"),
+    "bytes": bytes,
+    "int": functools.partial(int.from_bytes, byteorder="little", signed=True),
+}
+
+
+def loads_for(codec: str) -> Callable:
+    return _CODECS[codec]
 
 
 def is_special(data: memoryview) -> bool:

@@ -1,8 +1,8 @@
 """``SharedMapping``: a dict shared read-only between processes.
 
-Key ``i`` (in the dict's order) is record ``2i`` of its part of a pack, its
-value record ``2i + 1``. The key index is two int64 arrays after the
-records: the keys' stable hashes (``_stable_hash.py``) sorted, and the key
+Key ``i`` (in the dict's order) is record ``i`` of its part's key column, its
+value record ``i`` of its value column (``_buffer.py``). The key index is two
+int64 arrays after them: the keys' stable hashes (``_stable_hash.py``) sorted, and the key
 number of each. A lookup hashes the key, bisects the sorted hashes, and
 loads and compares only the keys of equal hash; reading a value loads a
 fresh object.
@@ -41,13 +41,15 @@ class SharedMapping(OneBuffer, Mapping):
     in the same order. Values come back as fresh objects on each read;
     writes raise ``TypeError``."""
 
-    __slots__ = ("_buffer", "_part", "_view", "_offsets", "_loads", "_len", "_hashes", "_order",
-                 "default_factory", "original_type")
+    __slots__ = ("_buffer", "_part", "_view", "_offsets", "_loads", "_key_offsets", "_key_loads",
+                 "_len", "_hashes", "_order", "default_factory", "original_type")
     _buffer: SharedBuffer
     _part: int
     _view: memoryview
     _offsets: memoryview
     _loads: Callable[[Any], Any]
+    _key_offsets: memoryview
+    _key_loads: Callable[[Any], Any]
     _len: int
     _hashes: memoryview
     _order: memoryview
@@ -62,8 +64,9 @@ class SharedMapping(OneBuffer, Mapping):
         entry = buffer.parts[part]
         self = object.__new__(cls)
         self._buffer, self._part = buffer, part
-        self._view, self._offsets = buffer.view, buffer.offsets(part)
-        self._loads = buffer.loads(part)
+        self._view = buffer.view
+        self._key_offsets, self._key_loads = buffer.column(part, 0)
+        self._offsets, self._loads = buffer.column(part, 1)
         self._len = n = entry.items
         self._hashes = buffer.index(entry.index_at, n) if n else memoryview(b"").cast("q")
         self._order = buffer.index(entry.index_at + 8 * n, n) if n else self._hashes
@@ -74,12 +77,17 @@ class SharedMapping(OneBuffer, Mapping):
     @property
     def nbytes(self) -> int:
         """Bytes of shared memory behind this mapping (all processes together)."""
-        offsets = self._offsets
-        return offsets[2 * self._len] - offsets[0] + offsets.nbytes + 2 * self._hashes.nbytes
+        keys, values, n = self._key_offsets, self._offsets, self._len
+        return (keys[n] - keys[0] + values[n] - values[0] + keys.nbytes + values.nbytes
+                + 2 * self._hashes.nbytes)
 
-    def _record(self, r: int):
+    def _key(self, i: int):
+        offsets = self._key_offsets
+        return self._key_loads(self._view[offsets[i]:offsets[i + 1]])
+
+    def _value(self, i: int):
         offsets = self._offsets
-        data = self._view[offsets[r]:offsets[r + 1]]
+        data = self._view[offsets[i]:offsets[i + 1]]
         try:
             return self._loads(data)
         except Exception:
@@ -97,7 +105,7 @@ class SharedMapping(OneBuffer, Mapping):
         at = bisect.bisect_left(hashes, h)
         while at < self._len and hashes[at] == h:
             i = order[at]
-            if same_key(self._record(2 * i), key):
+            if same_key(self._key(i), key):
                 return i
             at += 1
         return -1
@@ -108,23 +116,23 @@ class SharedMapping(OneBuffer, Mapping):
             if self.default_factory is not None:
                 return self.default_factory()
             raise KeyError(key)
-        return self._record(2 * i + 1)
+        return self._value(i)
 
     def __contains__(self, key) -> bool:
         return self._find(key) >= 0
 
     def get(self, key, default=None):
         i = self._find(key)
-        return default if i < 0 else self._record(2 * i + 1)
+        return default if i < 0 else self._value(i)
 
     def __len__(self) -> int:
         return self._len
 
     def __iter__(self):
-        return self._buffer.records(self._part, 0, 2 * self._len, 2)
+        return self._buffer.records(self._part, column=0)
 
     def __reversed__(self):
-        return self._buffer.records(self._part, 2 * self._len - 2, -1, -2)
+        return self._buffer.records(self._part, self._len - 1, -1, -1, column=0)
 
     def values(self):
         return _SharedValues(self)
@@ -133,8 +141,7 @@ class SharedMapping(OneBuffer, Mapping):
         return _SharedItems(self)
 
     def _pairs(self):
-        records = self._buffer.records(self._part, 0, 2 * self._len)
-        return zip(records, records)
+        return zip(self._buffer.records(self._part, column=0), self._buffer.records(self._part))
 
     def __eq__(self, other):
         if isinstance(other, SharedMapping) and other._buffer is self._buffer \
@@ -203,7 +210,7 @@ class _SharedValues(ValuesView):
 
     def __iter__(self):
         mapping = self._mapping
-        return mapping._buffer.records(mapping._part, 1, 2 * mapping._len, 2)
+        return mapping._buffer.records(mapping._part)
 
     def __contains__(self, value) -> bool:
         return any(same_value(v, value) for v in self)

@@ -70,7 +70,7 @@ def reduce_tensor(tensor: torch.Tensor):
     non-leaf that requires grad: torch refuses that one itself)."""
     if (tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized
             or tensor.is_conj() or tensor.is_neg() or tensor._backward_hooks
-            or tensor.has_names()  # type: ignore[attr-defined]
+            or any(name is not None for name in getattr(tensor, "names", ()))
             or (tensor.requires_grad and not tensor.is_leaf)):
         return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
     dense = tensor.detach()

@@ -1,7 +1,8 @@
 """``SharedSequence``: a list or tuple shared read-only between processes.
 
 Item ``i`` is record ``i`` of its part of a pack (``_buffer.py``); reading it
-loads a fresh object, so reading writes no shared page. It compares, hashes
+loads a fresh object (one ``pickle.loads``, or for a list of only strings,
+bytes or ints, one decode), so reading writes no shared page. It compares, hashes
 (a tuple's), slices, adds and repeats as the list or tuple it was built
 from (NaN items included, ``_equality.py``); slices and arithmetic give
 plain lists or tuples.
@@ -49,8 +50,8 @@ class SharedSequence(OneBuffer, Sequence):
     def _attach(cls, buffer: SharedBuffer, part: int) -> "SharedSequence":
         self = object.__new__(cls)
         self._buffer, self._part = buffer, part
-        self._view, self._offsets = buffer.view, buffer.offsets(part)
-        self._loads = buffer.loads(part)
+        self._view = buffer.view
+        self._offsets, self._loads = buffer.column(part)
         self._len = buffer.parts[part].items
         self.original_type = tuple if buffer.parts[part].kind == "tuple" else list
         return self

@@ -8,17 +8,19 @@ page-aligned, in the array's own memory order. What several records hold
 (``_dedup.py``) is written once, where it first comes, or as a record of the
 pack's ``objects`` part, and the other records refer to it.
 
-Records are pickled into memory and moved into the memfd in pieces of about
-``FLUSH_BYTES``, so building a pack holds at most that much besides the pack.
-The pickler is reused from record to record (its memo cleared between them):
-about 0.6x the CPU time of ``pickle.dumps`` of the whole list on 100,000 and
-1,000,000 COCO-like dicts (``benchmarks/share_cost.py``).
+A column of only ``str``, only ``bytes`` or only ``int`` (within int64)
+items, a dict's keys most often, is written as their UTF-8 bytes, bytes or
+8-byte integers (``_buffer._CODECS``), in C, with no pickle per item; any
+other column as one pickle per record, by a pickler reused from record to
+record (its memo cleared between them). Records are moved into the memfd in
+pieces of about ``FLUSH_BYTES``, so building a pack holds at most that much
+besides the pack.
 """
 
 from __future__ import annotations
 
+import functools
 import io
-import itertools
 import os
 import pickle
 import sys
@@ -134,22 +136,56 @@ class _PackWriter:
         return seconds
 
     def _sequence(self, part: int, items, flagged, nested, shared) -> tuple:
-        special = self._special(part, nested, shared) if flagged else None
-        offsets = self._records(part, items, iter(flagged), special)
-        return ("seq", type(items).__name__, len(items), "pickle", self.append(offsets), 0, ())
+        column = self._column(part, items, flagged, nested, shared)
+        return ("seq", type(items).__name__, len(items), (column,), 0, ())
 
     def _mapping(self, part: int, items: dict, flagged, nested, shared) -> tuple:
         hashes = key_hashes(items)
         order = np.argsort(hashes, kind="stable")
         index = np.concatenate([hashes[order], order.astype(np.int64)])
-        special = self._special(part, nested, shared) if flagged else None
-        records = itertools.chain.from_iterable(items.items())
-        # value i is record 2i + 1
-        offsets = self._records(part, records, (2 * p + 1 for p in flagged), special)
-        offsets_at = self.append(offsets)
+        try:
+            keys = self._column(part, list(items), [], None, shared)
+        except Unpicklable as exc:  # a dict's key i is record 2i, its value 2i + 1
+            exc.position *= 2
+            raise
+        try:
+            values = self._column(part, list(items.values()), flagged, nested, shared)
+        except Unpicklable as exc:
+            exc.position = 2 * exc.position + 1
+            raise
         index_at = self.append(index) if len(index) else 0
         kind = "defaultdict" if isinstance(items, defaultdict) else "dict"
-        return ("map", kind, len(items), "pickle", offsets_at, index_at, ())
+        return ("map", kind, len(items), (keys, values), index_at, ())
+
+    def _column(self, part: int, values, flagged, nested, shared) -> tuple:
+        """One column of records: ``(codec, offsets_at)``."""
+        codec = _plain_codec(values) if not flagged else None
+        if codec is not None:
+            offsets = self._plain(values, codec)
+        else:
+            codec = "pickle"
+            special = self._special(part, nested, shared) if flagged else None
+            offsets = self._records(part, values, iter(flagged), special)
+        return codec, self.append(offsets)
+
+    def _plain(self, values: list, codec: str) -> np.ndarray:
+        """A column of str, bytes or int items, written in C a chunk at a time."""
+        offsets = [np.zeros(1, np.int64)]
+        at = self._end
+        for start in range(0, len(values), _CHUNK):
+            chunk = values[start:start + _CHUNK]
+            data: bytes
+            if codec == "int":
+                data = np.fromiter(chunk, np.int64, len(chunk)).tobytes()
+                lengths = np.full(len(chunk), 8, np.int64)
+            else:
+                pieces = list(map(_encode, chunk)) if codec == "str" else chunk
+                lengths = np.fromiter(map(len, pieces), np.int64, len(pieces))
+                data = b"".join(pieces)
+            self._write(data, self._end)
+            self._end += len(data)
+            offsets.append(np.cumsum(lengths) + offsets[-1][-1])
+        return np.concatenate(offsets) + at
 
     def _records(self, part: int, records, flagged, special) -> np.ndarray:
         """Pickle each record, back to back; their offsets (one more than records)."""
@@ -217,20 +253,22 @@ class _PackWriter:
     def _array(self, array: np.ndarray) -> tuple:
         # its own memory order (C, Fortran, or the closest dense one): no copy
         # when it is contiguous already, and the same strides when read back
-        dense = array if _dense(array) else np.array(array, order="K")
-        data = dense.reshape(-1, order="A").view(np.uint8) if dense.size else b""
+        # C or Fortran order kept (the same strides when read back); any other, C
+        fortran = array.flags.f_contiguous and not array.flags.c_contiguous
+        dense = array if array.flags.c_contiguous or fortran else np.array(array, order="C")
+        flat = dense.reshape(-1, order="F") if fortran else dense.reshape(-1)
+        data = flat.view(np.uint8) if dense.size else b""
         data_at = self.append(data, PAGE)
-        strides = dense.strides
-        return ("array", "ndarray", dense.size, "", data_at, dense.nbytes,
-                (dense.dtype, dense.shape, strides))
+        return ("array", "ndarray", dense.size, (), 0,
+                (dense.dtype, dense.shape, dense.strides, data_at, dense.nbytes))
 
     # -- the end --------------------------------------------------------------------
     def finish(self) -> SharedBuffer:
         offsets = np.asarray(self._object_offsets + [self._objects.tell()], np.int64)
         base = self._end
         self._flush(self._objects)
-        self.parts[self.objects_part] = ("objects", "", len(self._object_offsets), "pickle",
-                                         self.append(offsets + base), 0, ())
+        self.parts[self.objects_part] = ("objects", "", len(self._object_offsets),
+                                         (("pickle", self.append(offsets + base)),), 0, ())
         directory = pickle.dumps(self.parts, protocol=PICKLE_PROTOCOL)
         directory_at = self.append(directory)
         header = HEADER.pack(MAGIC, 2, directory_at, len(directory), sys.hash_info.modulus, PYTHON)
@@ -246,5 +284,24 @@ class _PackWriter:
             self.fd = -1
 
 
-def _dense(array: np.ndarray) -> bool:
-    return array.flags.c_contiguous or array.flags.f_contiguous
+_CHUNK = 1 << 16
+_encode = functools.partial(str.encode, encoding="utf-8", errors="surrogatepass")
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _plain_codec(values: list) -> str | None:
+    """"str", "bytes" or "int" where every item is exactly that (an int within
+    int64), else None (pickle)."""
+    if not values:
+        return None
+    kinds = set(map(type, values))
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    if kind is str:
+        return "str"
+    if kind is bytes:
+        return "bytes"
+    if kind is int and _INT64[0] <= min(values) and max(values) <= _INT64[1]:
+        return "int"
+    return None
