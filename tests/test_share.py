@@ -535,6 +535,15 @@ def test_two_ranks_on_one_host_map_one_copy(tmp_path_factory):
     for r in (r0, r1):
         assert r["errors"]["names-differ"].startswith("ValueError: torchfeed.share: the ranks "
                                                       "called share with different names")
+        # issue 52: rank 1 passed 4 items and silently got rank 0's 3
+        assert r["errors"]["data-differs"].startswith("ValueError: torchfeed.share(name=")
+        assert ("the ranks passed different data (rank 0: a list of 3 items"
+                in r["errors"]["data-differs"]), r["errors"]["data-differs"]
+    # issue 52: rank 0 failed pickling the handle outside the try, and rank 1 waited
+    # out the collective's timeout
+    assert r0["errors"]["factory-unsendable"].startswith("TypeError: torchfeed.share(name="), r0
+    assert "default_factory" in r0["errors"]["factory-unsendable"]
+    assert r1["errors"]["factory-unsendable"].startswith("RuntimeError: torchfeed.share(name=")
     # one copy between them: each maps every page, and each page counts half to each
     nbytes = r0["list"]["nbytes"]
     for r in (r0, r1):
