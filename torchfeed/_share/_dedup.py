@@ -29,13 +29,14 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
-from collections import Counter
 from typing import NamedTuple
 
 import numpy as np
 
 _ATOMS = (int, float, bool, type(None), str, bytes, complex)
+_ATOM_IDS = np.array([id(kind) for kind in _ATOMS], np.int64)
 _SAMPLE = 32
+_NONE = np.zeros(0, np.int64)
 
 
 class Plan(NamedTuple):
@@ -57,13 +58,19 @@ def _counts(objects: list) -> np.ndarray:
     return np.fromiter(map(sys.getrefcount, objects), np.int64, len(objects))
 
 
-def _held_elsewhere(objects: list) -> list[int]:
-    """Positions of ``objects`` (a list built for this) that are not atoms and
-    that something besides their container and this list holds."""
+def _held_elsewhere(objects: list) -> tuple[np.ndarray, np.ndarray]:
+    """Positions and ids of ``objects`` (a list built for this) that are not
+    atoms and that something besides their container and this list holds;
+    in C, but for the reference counts' first pass over all of them."""
     if not objects:
-        return []
-    above = np.flatnonzero(_counts(objects) > _baseline()).tolist()
-    return [p for p in above if not isinstance(objects[p], _ATOMS)]
+        return _NONE, _NONE
+    above = np.flatnonzero(_counts(objects) > _baseline())
+    if not above.size:
+        return _NONE, _NONE
+    n = len(objects)
+    kinds = np.fromiter(map(id, map(type, objects)), np.int64, n)[above]
+    keep = above[~np.isin(kinds, _ATOM_IDS)]
+    return keep, np.fromiter(map(id, objects), np.int64, n)[keep]
 
 
 def _sample(values: list) -> list:
@@ -83,7 +90,7 @@ def _nested_mode(values: list) -> str | None:
         return None
     if all(type(v) is dict for v in sample):
         fields = list(itertools.chain.from_iterable(map(dict.values, sample)))
-        if _held_elsewhere(fields) and set(map(type, values)) <= {dict}:
+        if _held_elsewhere(fields)[0].size and set(map(type, values)) <= {dict}:
             return "fields"
     return None
 
@@ -100,36 +107,29 @@ def children(item, mode: str | None):
 def plan(containers: list) -> Plan:
     """``containers``: each a list of its items (a dict's values), or None for
     a part that is not a container (an array)."""
-    seen: Counter = Counter()
-    level1: list = []
-    level2: list = []
+    found = []  # per container: (level-1 positions, ids, level-2 item of each, ids)
     modes: list = []
     for values in containers:
         if values is None:
-            level1.append([])
-            level2.append(([], None))
+            found.append((_NONE, _NONE, _NONE, _NONE))
             modes.append(None)
             continue
-        ones = [(p, id(values[p])) for p in _held_elsewhere(values)]
+        positions, ids = _held_elsewhere(values)
         mode = _nested_mode(values)
-        twos: list = []
-        ends = None
+        owners, inner_ids = _NONE, _NONE
         if mode is not None:
             inner = list(itertools.chain.from_iterable(children(v, mode) for v in values))
-            twos = [(p, id(inner[p])) for p in _held_elsewhere(inner)]
-            if twos:
+            inner_positions, inner_ids = _held_elsewhere(inner)
+            if inner_positions.size:
                 ends = np.cumsum(np.fromiter(map(len, values), np.int64, len(values)))
-        seen.update(i for _, i in ones)
-        seen.update(i for _, i in twos)
-        level1.append(ones)
-        level2.append((twos, ends))
+                owners = np.searchsorted(ends, inner_positions, side="right")
+        found.append((positions, ids, owners, inner_ids))
         modes.append(mode)
-    shared = frozenset(i for i, n in seen.items() if n > 1)
+    every = np.concatenate([np.concatenate([f[1], f[3]]) for f in found]) if found else _NONE
+    ids, counts = np.unique(every, return_counts=True)
+    shared = ids[counts > 1]
     flagged = []
-    for ones, (twos, ends) in zip(level1, level2):
-        positions = {p for p, i in ones if i in shared}
-        if twos and ends is not None:
-            inner_positions = np.array([p for p, i in twos if i in shared], np.int64)
-            positions.update(np.searchsorted(ends, inner_positions, side="right").tolist())
-        flagged.append(sorted(positions))
-    return Plan(shared, flagged, modes, [m == "elements" for m in modes])
+    for positions, level1, owners, level2 in found:
+        mine = np.concatenate([positions[np.isin(level1, shared)], owners[np.isin(level2, shared)]])
+        flagged.append(np.unique(mine).tolist())
+    return Plan(frozenset(shared.tolist()), flagged, modes, [m == "elements" for m in modes])

@@ -187,32 +187,51 @@ class _PackWriter:
             offsets.append(np.cumsum(lengths) + offsets[-1][-1])
         return np.concatenate(offsets) + at
 
-    def _records(self, part: int, records, flagged, special) -> np.ndarray:
-        """Pickle each record, back to back; their offsets (one more than records)."""
+    def _records(self, part: int, records, flagged: list, special) -> np.ndarray:
+        """Pickle each record, back to back, ``_CHUNK`` records at a time; their
+        offsets (one more than records)."""
         pending = io.BytesIO()
         pickler = RecordPickler(pending, protocol=PICKLE_PROTOCOL)
-        offsets: list[int] = []
-        note, where, dump, forget, put = (offsets.append, pending.tell, pickler.dump,
-                                          pickler.clear_memo, pending.write)
-        base = self._end
-        position = -1
-        following = next(flagged, -1)
+        where, dump, forget, put = pending.tell, pickler.dump, pickler.clear_memo, pending.write
+        chunks = [np.zeros(0, np.int64)]
+        flags = iter(flagged)
+        following = next(flags, -1)
+        start = 0
         try:
-            for position, record in enumerate(records):
-                note(base + where())
-                if position == following:
-                    put(special(position, record))
-                    following = next(flagged, -1)
+            while start < len(records):
+                chunk = records[start:start + _CHUNK]
+                offsets: list[int] = []
+                note = offsets.append
+                if following < 0 or following >= start + len(chunk):
+                    for record in chunk:  # the common case: one call per step, nothing else
+                        note(where())
+                        dump(record)
+                        forget()
                 else:
-                    dump(record)
-                    forget()
-                if where() >= FLUSH_BYTES:
-                    base = self._flush(pending)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            raise Unpicklable(part, position, exc) from exc
-        note(base + where())
-        self._flush(pending)
-        return np.asarray(offsets, dtype=np.int64)
+                    for position, record in enumerate(chunk, start):
+                        note(where())
+                        if position == following:
+                            put(special(position, record))
+                            following = next(flags, -1)
+                        else:
+                            dump(record)
+                            forget()
+                chunks.append(np.asarray(offsets, np.int64) + self._end)
+                self._flush(pending)
+                start += len(chunk)
+        except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as exc:
+            raise Unpicklable(part, self._failing(records, start), exc) from exc
+        return np.concatenate(chunks + [np.array([self._end], np.int64)])
+
+    @staticmethod
+    def _failing(records, start: int) -> int:
+        """The first record from ``start`` on that cannot be pickled."""
+        for position in range(start, len(records)):
+            try:
+                RecordPickler(io.BytesIO(), protocol=PICKLE_PROTOCOL).dump(records[position])
+            except Exception:
+                return position
+        return start
 
     def _special(self, part: int, nested, shared):
         """The writer of a record that holds, or is, an object stored once."""
