@@ -9,9 +9,11 @@ as it is; the memory tests read each worker's own private pages from
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import threading
 import warnings
 import weakref
@@ -422,3 +424,46 @@ def test_the_main_process_lets_go_of_its_own_copy(start_method, request):
     assert let_go, "the main process still held the original records"
     assert is_shared(dataset.records)
     assert dataset.records[7] == annotation(7) and type(dataset.records[7]) is WeakDict
+
+
+# -- what changes in the main process (issue 52, item 9) ---------------------------------
+def _share_section() -> str:
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        text = f.read()
+    start = text.index("### Workers' memory grows: copy-on-read")
+    return " ".join(text[start:text.index("**Finding the attribute that grows.**")].split())
+
+
+@pytest.mark.timeout(60)
+def test_what_sharing_changes_in_the_main_process_is_what_the_readme_says():
+    """Item 9: after share_dataset=True, some writes in the main process are
+    silent no-ops; each is documented with its reason, and behaves so."""
+    section = _share_section()
+    for documented in (
+            'dataset.records[0]["label"] = 99` leaves record 0 as it was',
+            "an append to a list read from a shared `defaultdict` (a missing key's default "
+            "included) is lost",
+            "appending to it changes neither `len(dataset)` nor what the workers read",
+            "`json.dumps` of one raises `TypeError` (`json.dumps(list(dataset.records))` works)",
+            "`torch.load(..., weights_only=True)` takes them once `list` and `dict` are allowed",
+            "Why not keep the user's own objects in the main process"):
+        assert documented in section, documented
+    records = annotation_records(3000)
+    dataset = Records(records)
+    dataset.by_image = defaultdict(list, {i: [i] for i in range(20_000)})
+    loader = torchfeed.DataLoader(dataset, batch_size=500, num_workers=1, share_dataset=True,
+                                  multiprocessing_context="fork")
+    assert len(list(loader)) == 6
+    dataset.records[0]["label"] = 99
+    assert "label" not in dataset.records[0]
+    dataset.by_image[5].append(6)
+    dataset.by_image[-1].append(1)
+    assert dataset.by_image[5] == [5] and dataset.by_image[-1] == [] and -1 not in dataset.by_image
+    records.append(annotation(3000))
+    assert len(dataset) == 3000
+    with pytest.raises(TypeError, match="SharedSequence is not JSON serializable"):
+        json.dumps(dataset.records)
+    assert json.loads(json.dumps(list(dataset.records)))[7] == annotation(7)
+    again = pickle.loads(pickle.dumps(dataset))
+    assert type(again.records) is list and type(again.by_image) is defaultdict
+    assert again.records == annotation_records(3000)

@@ -93,5 +93,6 @@ def test_image_folder_aliases_are_one_shared_object_and_spawn_sends_a_handle(tmp
     assert type(dataset.samples) is SharedSequence and dataset.imgs is dataset.samples
     shared = {f["attribute"] for f in loader.stats()["large_attributes"] if f["shared"]}
     assert shared >= {"dataset.samples", "dataset.imgs"}
-    # what a spawned worker is sent: handles, not the 20,000 samples twice over
-    assert len(ForkingPickler.dumps(dataset)) < 20_000
+    # what a spawned worker is sent: handles (and the small targets list), not the
+    # 20,000 samples (2 MB as a pickle)
+    assert len(ForkingPickler.dumps(dataset)) < 200_000

@@ -80,18 +80,21 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             training loop computes on the one before, and the loop's current
             stream waits for the copy on the GPU.  Default ``None``: batches
             stay on the CPU, as in torch.  See the README, "Feeding a GPU".
-        share_dataset (bool): before the workers first start, replace the
-            dataset's large attributes (a ``list``, ``tuple``, ``dict``,
-            ``defaultdict`` or array of 1 MiB or more, on the dataset, on the
-            plain objects it holds, two levels deep, and on the datasets a
-            ``Subset`` or ``ConcatDataset`` wraps) by read-only shared versions
-            (:func:`torchfeed.share`), in place: the main process and every
-            worker then hold one copy between them, read without copy-on-read
-            under ``fork`` and sent as a handle under ``spawn`` and
-            ``forkserver``.  Each read builds a fresh object; a write raises
-            ``TypeError``.  Done once per loader; nothing is shared with
-            ``num_workers=0``.  Default ``False``.  See the README,
-            "Workers' memory grows".
+        share_dataset (bool): from construction on, in a thread (the first
+            ``iter()`` that starts workers waits for it), replace the
+            dataset's large attributes (a ``list``, ``tuple``, ``dict`` or
+            ``defaultdict`` of 1 MiB or more, and under ``spawn`` and
+            ``forkserver`` numpy arrays, on the dataset, on the plain objects
+            it holds, two levels deep, and on the datasets a ``Subset`` or
+            ``ConcatDataset`` wraps) by shared versions
+            (:func:`torchfeed.share`), in place, all in one memfd: the main
+            process and every worker then hold one copy between them, read
+            without copy-on-read under ``fork`` and sent as a handle under
+            ``spawn`` and ``forkserver``.  Each read builds a fresh object; a
+            write to a container raises ``TypeError``, one to an array stays
+            in the process that makes it.  Done once per loader; nothing is
+            shared with ``num_workers=0``.  Default ``False``.  See the
+            README, "Workers' memory grows".
     """
 
     # One definition for every supported release.  ``in_order`` is forwarded to
