@@ -42,7 +42,6 @@ import torch
 
 from ._processes import start_forkserver_now
 from ._share import ShareError, share_all
-from ._share._arrays import SharedArray
 from ._share_dataset import LARGE_BYTES, Found, describe, estimate_bytes, find_large
 from ._worker_costs import in_background
 
@@ -59,7 +58,6 @@ _TENSOR = ("torch itself sends a tensor's storage to workers through shared memo
 
 _lock = threading.Lock()   # one sharing pass at a time (two loaders over one dataset)
 _jobs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loader -> its SharingJob
-_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loader -> [(owner, name, array)]
 _running: set = set()
 _fork_hook = [False]
 
@@ -337,10 +335,9 @@ def share_before_workers(loader) -> list:
     old ones), so under fork they go at once."""
     if not getattr(loader, "share_dataset", False):
         return []
-    method = start_method(loader)
     if not sharing_pending(loader):
-        _refresh_arrays(loader, method)
         return []
+    method = start_method(loader)
     if method == "forkserver":
         start_forkserver_now(loader.dataset)
     job = _jobs.pop(loader, None)
@@ -358,33 +355,5 @@ def share_before_workers(loader) -> list:
     for level, text in report.messages:
         logger.log(level, text)
     loader.__dict__["_shared_attributes"] = [r.stats() for r in report.replaced]
-    _arrays[loader] = [(r.owner, r.name, r.shared) for r in report.replaced
-                       if isinstance(r.shared, SharedArray)]
     originals, report.originals = report.originals, []
     return originals
-
-
-def _refresh_arrays(loader, method: str) -> None:
-    """A shared array the main process has written to since (its own
-    copy-on-write pages) is shared again before new spawned workers get it,
-    so that they read what it holds now, as they would unshared."""
-    if method == "fork":
-        return
-    kept: list = _arrays.get(loader) or []
-    for i, (owner, name, array) in enumerate(kept):
-        if getattr(owner, name, None) is not array or _clean(array):
-            continue
-        try:
-            [again] = share_all([np.asarray(array)]).shared
-            setattr(owner, name, again)
-        except Exception as exc:  # it then travels as its values, which is right too
-            logger.info("share_dataset: could not share %s again (%s); workers get its values",
-                        name, exc)
-            continue
-        kept[i] = (owner, name, again)
-        logger.info("share_dataset: shared %s.%s again: the main process wrote to it",
-                    type(owner).__name__, name)
-
-
-def _clean(array) -> bool:
-    return array._whole_and_clean()
