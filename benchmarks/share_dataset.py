@@ -26,7 +26,9 @@ Per run, after the epoch, with the workers still alive:
   ``--small``-record dataset with the same loader, and against torchfeed
   without sharing.  ``share_dataset=True`` starts sharing when the loader is
   built, in a thread; the table says how long that took;
-* throughput: samples/s from the first batch to the last.
+* throughput: samples/s from the first batch to the last, and, less moved by
+  other jobs on a busy machine, the CPU time the workers and the main process
+  spent per sample meanwhile.
 
 Then, in a process of its own, ``torchfeed.share(records)`` against
 ``pickle.dumps(records)`` (median of ``--cost-runs``).
@@ -142,19 +144,33 @@ def child(method: str, loader_name: str, records: int, workers: int, batch_size:
     it = iter(loader)
     next(it)
     first = time.perf_counter() - began
+    pids = [w.pid for w in it._workers]
+    cpu = cpu_seconds(pids)
     seen = batch_size
     for batch in it:
         seen += len(batch)
     epoch = time.perf_counter() - began
+    cpu = cpu_seconds(pids) - cpu
     assert seen == records, (seen, records)
-    pids = [w.pid for w in it._workers]
     memory = tree_memory(os.getpid(), pids)
     sharing = (sum(f.get("seconds", 0.0) for f in loader.stats()["large_attributes"] if f["shared"])
                if loader_name == "share" else 0.0)
     del it, loader
     return {"method": method, "loader": loader_name, "records": records,
             "footprint": footprint, "first_batch": first, "sharing": sharing, "epoch": epoch,
-            "throughput": (records - batch_size) / max(epoch - first, 1e-9), **memory}
+            "throughput": (records - batch_size) / max(epoch - first, 1e-9),
+            "cpu_per_sample": cpu / max(records - batch_size, 1), **memory}
+
+
+def cpu_seconds(pids: list) -> float:
+    """CPU seconds (user and system) of this process and of ``pids`` so far."""
+    import psutil
+
+    total = time.process_time()
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
 
 
 def cost(records: int, runs: int) -> dict:
@@ -205,8 +221,9 @@ def report(rows: list, small: dict, costs: dict, args) -> str:
              f"iter() {args.setup:.1f} s after the loader was built",
              "",
              "| start method | loader | worker private after the epoch (raw USS) | total PSS "
-             "(x one process) | first batch (x 1,000 records) | samples/s (x torchfeed) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "(x one process) | first batch (x 1,000 records) | samples/s (x torchfeed) "
+             "| CPU per sample (x torchfeed) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         base = next((r for r in rows if r["method"] == row["method"] and r["loader"] == "torchfeed"),
                     None)
@@ -221,9 +238,13 @@ def report(rows: list, small: dict, costs: dict, args) -> str:
                  + (f"; sharing took {row['sharing']:.1f} s before it" if row.get("sharing") else ""))
         speed = (f"{row['throughput']:,.0f}"
                  + (f" ({row['throughput'] / base['throughput']:.2f}x)" if base else ""))
+        cpu = row.get("cpu_per_sample")
+        cost = ("-" if cpu is None else f"{cpu * 1e6:.1f} us"
+                + (f" ({cpu / base['cpu_per_sample']:.2f}x)" if base and base.get("cpu_per_sample")
+                   else ""))
         runs = f" ({row['runs']} runs)" if row.get("runs", 1) > 1 else ""
         lines.append(f"| {row['method']} | {LABELS[row['loader']]}{runs} | {own:,.0f} MiB ({uss:,.0f} MiB) "
-                     f"| {row['total'] / 2**30:.2f} GiB ({ratio:.2f}x) | {first} | {speed} |")
+                     f"| {row['total'] / 2**30:.2f} GiB ({ratio:.2f}x) | {first} | {speed} | {cost} |")
     footprints = [r["footprint"] for r in rows]
     lines += ["", f"one process holding the records: {statistics.median(footprints) / 2**30:.2f} GiB "
               "PSS (median over the runs); 'worker private' is the largest of the workers, "

@@ -31,10 +31,12 @@ fresh object each time, in the main process as in the workers.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
 import weakref
+from collections import defaultdict
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -118,7 +120,9 @@ def _left_alone(value, method: str) -> str | None:
 def _large_array_items(value):
     """np.ndarray or torch.Tensor where a sample of ``value``'s items are all
     arrays (tensors) of ``BIG_ITEM_BYTES`` or more on average."""
-    items = list(value.values() if isinstance(value, dict) else value)[:: max(1, len(value) // 16)]
+    step = max(1, len(value) // 16)
+    items = list(itertools.islice(value.values(), 0, None, step)) if isinstance(value, dict) \
+        else value[::step]
     if not items:
         return None
     for kind in (np.ndarray, torch.Tensor):
@@ -136,14 +140,10 @@ def _holder_entries(value, method: str) -> list | None:
         return None
     pairs = value.items() if isinstance(value, dict) else enumerate(value)
     large = [key for key, entry in pairs if (estimate_bytes(entry) or 0) >= LARGE_BYTES
-             and type(entry) in (list, tuple, dict, np.ndarray, torch.Tensor)]
+             and type(entry) in (list, tuple, dict, defaultdict, np.ndarray, torch.Tensor)]
     if not large:
         return None
-    return [key for key in large if _left_alone(_entry(value, key), method) is None]
-
-
-def _entry(container, key):
-    return container[key]
+    return [key for key in large if _left_alone(value[key], method) is None]
 
 
 # -- sharing ------------------------------------------------------------------------
@@ -172,18 +172,18 @@ def share_dataset(dataset, method: str, keep_originals: bool = False) -> Report:
     objects: list = []
     for key, f in targets.items():
         if key in holders:
-            objects.extend(_entry(f.value, k) for k in holders[key])
+            objects.extend(f.value[k] for k in holders[key])
         else:
             objects.append(f.value)
     shared, seconds = _share(objects, targets, holders, report)
     made: dict[int, Any] = {}
     for key, f in targets.items():
         if key in holders:
-            entries = [k for k in holders[key] if id(_entry(f.value, k)) in shared]
+            entries = [k for k in holders[key] if id(f.value[k]) in shared]
             if not entries:
                 continue
-            made[key] = _rebuilt(f.value, {k: shared[id(_entry(f.value, k))] for k in entries})
-            seconds[key] = sum(seconds.get(id(_entry(f.value, k)), 0.0) for k in entries)
+            made[key] = _rebuilt(f.value, {k: shared[id(f.value[k])] for k in entries})
+            seconds[key] = sum(seconds.get(id(f.value[k]), 0.0) for k in entries)
         elif key in shared:
             made[key] = shared[key]
     for f in found:
@@ -238,7 +238,7 @@ def _path_of(obj, targets: dict, holders: dict) -> str:
         if key == id(obj):
             return f.path
         for k in holders.get(key, ()):
-            if _entry(f.value, k) is obj:
+            if f.value[k] is obj:
                 return f"{f.path}[{k!r}]"
     return "an attribute"
 
