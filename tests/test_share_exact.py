@@ -97,7 +97,8 @@ def test_a_zero_d_array_keeps_its_shape_and_fortran_order_its_strides():
 @pytest.mark.parametrize("make,name", [
     (lambda: np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False]), "MaskedArray"),
     (lambda: np.rec.fromrecords([(1, 2.0)], names="a,b"), "recarray"),
-    (lambda: np.asmatrix(np.eye(2)), "matrix"),
+    pytest.param(lambda: np.asmatrix(np.eye(2)), "matrix",
+                 marks=pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")),
 ])
 def test_an_array_subclass_is_refused_not_made_plain(make, name):
     """Item 5: a masked array lost its mask (mean 2.0 became -331.67), a
