@@ -38,7 +38,9 @@ def expected(folder):
     return list(torch.utils.data.DataLoader(Shapes(folder), batch_size=100, sampler=EVERY_10TH))
 
 
+# The three cases on one pytest worker: torch's batches (``expected``) are read once.
 @pytest.mark.timeout(120)
+@pytest.mark.xdist_group("share_shapes")
 @pytest.mark.parametrize("start_method", [
     "fork", pytest.param("spawn", marks=pytest.mark.long),
     pytest.param("forkserver", marks=pytest.mark.long)])
