@@ -37,6 +37,7 @@ RUN_LIMIT_S = 300  # one pytest run; the tests' own timeouts are far shorter
 EPOCH_BOUNDARY = "tests/test_resume_epoch_boundary.py"
 OLD_CHECKPOINTS = "tests/test_resume_old_checkpoints.py"
 MAIN_DEATH = "tests/faults/test_faults_main_death.py"
+SHARE_EXACT = "tests/test_share_exact.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,9 +180,9 @@ MUTATIONS = (
     Mutation(
         "share-dataset-noop", "sharing: share_dataset=True leaves the dataset's large "
         "attributes as they are, copied into every worker",
-        "torchfeed/_share_dataset.py",
-        '    return share_once(loader, keep_originals=method != "fork")\n',
-        "    return []\n",
+        "torchfeed/_share_job.py",
+        "    found = find_large(dataset)\n",
+        "    found = []\n",
         ("tests/test_share_dataset.py::"
          "test_coco_like_attributes_are_shared_and_batches_equal_torchs[fork]",
          "tests/test_share_dataset.py::test_workers_reading_every_record_hold_no_copy_of_them[fork]"),
@@ -189,16 +190,55 @@ MUTATIONS = (
     Mutation(
         "share-sends-values", "sharing: a shared container goes to another process as its "
         "values, not as a handle to the one copy",
-        "torchfeed/_share/_buffer.py",
-        "        return SharedBuffer._from_handle, (reduction.DupFd(self.fd),)\n",
-        "        return _buffer_from_bytes, (bytes(self.view),)\n",
+        "torchfeed/_share/_sequence.py",
+        "        return SharedSequence._attach, (self._buffer, self._part)\n",
+        "        return self.__reduce_ex__(4)\n",
         ("tests/test_share.py::test_a_handle_crosses_processes_and_pickle_writes_values",)),
+    Mutation(
+        "shared-array-read-only", "sharing: a shared array is mapped read-only, and an "
+        "in-place write to a sample (torch.from_numpy(row).sub_()) kills the process",
+        "torchfeed/_share/_buffer.py",
+        "    if private and libc.mprotect(addr, length, mmap.PROT_READ | mmap.PROT_WRITE) != 0:\n",
+        "    if False:\n",
+        (f"{SHARE_EXACT}::test_an_in_place_write_to_a_shared_array_is_private_and_never_crashes",)),
+    Mutation(
+        "share-aliases-missed", "sharing: an attribute that is another's very object "
+        "(ImageFolder.imgs, its samples) is left a Python list beside the shared one",
+        "torchfeed/_share_dataset.py",
+        "                found.append(Found(where, obj, name, value, earlier.nbytes, earlier.why_not,\n"
+        "                                   earlier.path))\n",
+        "                pass\n",
+        ("tests/test_share_shapes.py::"
+         "test_image_folder_aliases_are_one_shared_object_and_spawn_sends_a_handle",)),
+    Mutation(
+        "share-stores-per-record", "sharing: an object many records hold is stored once per "
+        "record (a COCO index three times over)",
+        "torchfeed/_share/_dedup.py",
+        "    shared = ids[counts > 1]\n",
+        "    shared = ids[:0]\n",
+        (f"{SHARE_EXACT}::test_an_object_many_records_hold_is_stored_once",
+         f"{SHARE_EXACT}::test_a_coco_index_reachable_three_ways_is_stored_about_once"),
+        each=True),
+    Mutation(
+        "share-seals-unchecked", "sharing: memory that is not sealed is mapped, and later "
+        "writes to it show through",
+        "torchfeed/_share/_buffer.py",
+        "    missing = seals(final=False) & ~present\n",
+        "    missing = 0\n",
+        (f"{SHARE_EXACT}::test_unsealed_memory_is_refused",)),
+    Mutation(
+        "share-at-first-iter", "sharing: share_dataset=True shares at the first iter(), whose "
+        "first batch then pays for the pass over the data",
+        "torchfeed/_share_job.py",
+        "    job = _jobs[loader] = SharingJob(loader.dataset, method)\n    job.start()\n",
+        "    return\n",
+        ("tests/test_share_dataset.py::test_sharing_starts_at_construction_and_a_fork_waits_for_it",)),
     Mutation(
         "shared-record-misread", "integrity: a shared list hands out its next record",
         "torchfeed/_share/_sequence.py",
-        "        return pickle.loads(self._view[offsets[i]:offsets[i + 1]])\n",
+        "        data = self._view[offsets[i]:offsets[i + 1]]\n",
         "        i = min(i + 1, self._len - 1)\n"
-        "        return pickle.loads(self._view[offsets[i]:offsets[i + 1]])\n",
+        "        data = self._view[offsets[i]:offsets[i + 1]]\n",
         ("tests/test_share.py::test_list_behaves_as_the_list",
          "tests/test_share_dataset.py::test_resume_with_shared_attributes_equals_torchs_epoch"),
         each=True),

@@ -14,6 +14,10 @@ alternating:
 * the same for a dict of the records by id (``share`` of a dict builds the key
   index too) and its lookups.
 
+Each size in ``--records`` (100,000 and 1,000,000 by default: at 100,000 the
+fixed costs weigh most, at 1,000,000 ``pickle.dumps``'s memo of every
+object does) is measured in turn, and a table printed for each.
+
 Figures are medians over ``--runs``; the ratio is the median of per-run ratios.
 Time is this process's CPU time (user + system, ``process_time``) by default,
 so a busy shared machine that deschedules the process does not inflate it
@@ -22,7 +26,7 @@ uses ``perf_counter``. The garbage collector is off while timing, as
 ``pickle.dumps`` of the list would otherwise pay for collections the list
 build triggered.
 
-    python benchmarks/share_cost.py --records 1000000 --runs 5
+    python benchmarks/share_cost.py --records 100000 1000000 --runs 5
 """
 import argparse
 import gc
@@ -74,7 +78,7 @@ def share_against_dumps(rows: dict, kind: str, obj):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=int, default=1_000_000)
+    parser.add_argument("--records", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--reads", type=int, default=200_000)
     parser.add_argument("--no-dict", action="store_true", help="skip the dict rows")
@@ -82,10 +86,14 @@ def main() -> None:
     args = parser.parse_args()
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    for n in args.records:
+        measure(n, args)
 
-    records = coco_records(args.records)
+
+def measure(n: int, args) -> None:
+    records = coco_records(n)
     by_id = {r["id"]: r for r in records}
-    indices = [random.Random(1).randrange(args.records) for _ in range(args.reads)]
+    indices = [random.Random(1).randrange(n) for _ in range(args.reads)]
     one_pickle = [pickle.dumps(records[i], protocol=5) for i in indices[:1000]]
     rows: dict[str, list[float]] = {}
     gc.disable()
@@ -105,9 +113,9 @@ def main() -> None:
             rows.setdefault("shared_map[k] us", []).append(
                 per_read(shared_map.__getitem__, indices) * 1e6)
             del shared_map
-        print(f"run {run + 1}/{args.runs} done", file=sys.stderr)
+        print(f"{n:,} records: run {run + 1}/{args.runs} done", file=sys.stderr)
     gc.enable()
-    print(f"{args.records:,} COCO-like dicts; shared buffer {nbytes / 2**20:.0f} MiB; "
+    print(f"{n:,} COCO-like dicts; shared buffer {nbytes / 2**20:.0f} MiB; "
           f"median of {args.runs} runs ({args.clock} time)")
     for name, values in rows.items():
         print(f"  {name:26s} {statistics.median(values):10.3f}   "

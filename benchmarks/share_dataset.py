@@ -19,11 +19,16 @@ Per run, after the epoch, with the workers still alive:
   are held whether or not a process has them mapped), against the
   one-process footprint: the same process's PSS once it has built the
   records, before any loader exists;
-* first batch: seconds from ``iter()`` to the first batch (with
-  ``share_dataset=True`` this includes sharing the records, done then, and
-  the table says how much of it that took), and the same for a
-  ``--small``-record dataset with the same loader;
-* throughput: samples/s from the first batch to the last.
+* first batch: seconds from ``iter()`` to the first batch, which comes
+  ``--setup`` seconds after the loader is built (the training script's own
+  setup: building the model, loading a checkpoint; by default as long as
+  ``pickle.dumps`` of the records takes, measured first), the same for a
+  ``--small``-record dataset with the same loader, and against torchfeed
+  without sharing.  ``share_dataset=True`` starts sharing when the loader is
+  built, in a thread; the table says how long that took;
+* throughput: samples/s from the first batch to the last, and, less moved by
+  other jobs on a busy machine, the CPU time the workers and the main process
+  spent per sample meanwhile.
 
 Then, in a process of its own, ``torchfeed.share(records)`` against
 ``pickle.dumps(records)`` (median of ``--cost-runs``).
@@ -122,7 +127,8 @@ def own_pss() -> int:
 
 
 # -- one run, in a process of its own ----------------------------------------------------------
-def child(method: str, loader_name: str, records: int, workers: int, batch_size: int) -> dict:
+def child(method: str, loader_name: str, records: int, workers: int, batch_size: int,
+          setup: float) -> dict:
     dataset = Annotations([annotation(i) for i in range(records)])
     gc.collect()
     footprint = own_pss()
@@ -133,23 +139,38 @@ def child(method: str, loader_name: str, records: int, workers: int, batch_size:
         loader = torch.utils.data.DataLoader(dataset, **common)
     else:
         loader = torchfeed.DataLoader(dataset, share_dataset=loader_name == "share", **common)
+    time.sleep(setup)  # the script's own setup, after it built the loader
     began = time.perf_counter()
     it = iter(loader)
     next(it)
     first = time.perf_counter() - began
+    pids = [w.pid for w in it._workers]
+    cpu = cpu_seconds(pids)
     seen = batch_size
     for batch in it:
         seen += len(batch)
     epoch = time.perf_counter() - began
+    cpu = cpu_seconds(pids) - cpu
     assert seen == records, (seen, records)
-    pids = [w.pid for w in it._workers]
     memory = tree_memory(os.getpid(), pids)
     sharing = (sum(f.get("seconds", 0.0) for f in loader.stats()["large_attributes"] if f["shared"])
                if loader_name == "share" else 0.0)
     del it, loader
     return {"method": method, "loader": loader_name, "records": records,
             "footprint": footprint, "first_batch": first, "sharing": sharing, "epoch": epoch,
-            "throughput": (records - batch_size) / max(epoch - first, 1e-9), **memory}
+            "throughput": (records - batch_size) / max(epoch - first, 1e-9),
+            "cpu_per_sample": cpu / max(records - batch_size, 1), **memory}
+
+
+def cpu_seconds(pids: list) -> float:
+    """CPU seconds (user and system) of this process and of ``pids`` so far."""
+    import psutil
+
+    total = time.process_time()
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
 
 
 def cost(records: int, runs: int) -> dict:
@@ -197,9 +218,12 @@ def report(rows: list, small: dict, costs: dict, args) -> str:
              f"{args.workers} persistent workers, batch {args.batch_size}, shuffled, one epoch; "
              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}",
              "",
+             f"iter() {args.setup:.1f} s after the loader was built",
+             "",
              "| start method | loader | worker private after the epoch (raw USS) | total PSS "
-             "(x one process) | first batch (x 1,000 records) | samples/s (x torchfeed) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "(x one process) | first batch (x 1,000 records) | samples/s (x torchfeed) "
+             "| CPU per sample (x torchfeed) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         base = next((r for r in rows if r["method"] == row["method"] and r["loader"] == "torchfeed"),
                     None)
@@ -207,14 +231,20 @@ def report(rows: list, small: dict, costs: dict, args) -> str:
         uss = row.get("worker_uss", max(w["uss"] for w in row["workers"])) / MiB
         ratio = row["total"] / row["footprint"]
         tiny = small.get((row["method"], row["loader"]))
-        first = (f"{row['first_batch']:.1f} s"
+        first = (f"{row['first_batch']:.2f} s"
                  + (f" ({row['first_batch'] / tiny['first_batch']:.2f}x)" if tiny else "")
-                 + (f"; sharing {row['sharing']:.1f} s of it" if row.get("sharing") else ""))
+                 + (f", {row['first_batch'] / base['first_batch']:.2f}x unshared"
+                    if base and row["loader"] == "share" else "")
+                 + (f"; sharing took {row['sharing']:.1f} s before it" if row.get("sharing") else ""))
         speed = (f"{row['throughput']:,.0f}"
                  + (f" ({row['throughput'] / base['throughput']:.2f}x)" if base else ""))
+        cpu = row.get("cpu_per_sample")
+        cost = ("-" if cpu is None else f"{cpu * 1e6:.1f} us"
+                + (f" ({cpu / base['cpu_per_sample']:.2f}x)" if base and base.get("cpu_per_sample")
+                   else ""))
         runs = f" ({row['runs']} runs)" if row.get("runs", 1) > 1 else ""
         lines.append(f"| {row['method']} | {LABELS[row['loader']]}{runs} | {own:,.0f} MiB ({uss:,.0f} MiB) "
-                     f"| {row['total'] / 2**30:.2f} GiB ({ratio:.2f}x) | {first} | {speed} |")
+                     f"| {row['total'] / 2**30:.2f} GiB ({ratio:.2f}x) | {first} | {speed} | {cost} |")
     footprints = [r["footprint"] for r in rows]
     lines += ["", f"one process holding the records: {statistics.median(footprints) / 2**30:.2f} GiB "
               "PSS (median over the runs); 'worker private' is the largest of the workers, "
@@ -237,6 +267,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1,
                         help="runs of each setup, in rotation; the table shows medians")
     parser.add_argument("--cost-runs", type=int, default=3)
+    parser.add_argument("--setup", type=float, default=None,
+                        help="seconds between building each loader and iter() (default: "
+                             "pickle.dumps of the records' time, measured first)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--json", help="also write the raw figures here")
     parser.add_argument("--report", metavar="JSON",
@@ -247,6 +280,7 @@ def main() -> None:
         with open(args.report) as f:
             saved = json.load(f)
         args.records = saved["rows"][0]["records"]
+        args.setup = saved.get("setup", 0.0)
         print(report(saved["rows"], {(r["method"], r["loader"]): r for r in saved["small"]},
                      saved["cost"], args))
         return
@@ -254,17 +288,22 @@ def main() -> None:
         if args.child[0] == "cost":
             print(json.dumps(cost(int(args.child[1]), int(args.child[2]))))
         else:
-            method, loader, records, workers, batch = args.child
-            print(json.dumps(child(method, loader, int(records), int(workers), int(batch))))
+            method, loader, records, workers, batch, setup = args.child
+            print(json.dumps(child(method, loader, int(records), int(workers), int(batch),
+                                   float(setup))))
         return
 
+    costs = run_child("cost", str(args.records), str(args.cost_runs), timeout=args.timeout)
+    if args.setup is None:
+        args.setup = costs["pickle"]
     runs: dict = {}
     for _ in range(args.runs):
         for method in args.methods:
             for loader in args.loaders:
                 for n in (args.small, args.records):
                     result = run_child(method, loader, str(n), str(args.workers),
-                                       str(args.batch_size), timeout=args.timeout)
+                                       str(args.batch_size), str(args.setup),
+                                       timeout=args.timeout)
                     print(f"# {method} {loader} {n:,} records: first batch "
                           f"{result['first_batch']:.1f} s, epoch {result['epoch']:.1f} s, "
                           f"total {result['total'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
@@ -273,13 +312,12 @@ def main() -> None:
             for m in args.methods for loader in args.loaders]
     small = {(m, loader): median_run(runs[(m, loader, args.small)])
              for m in args.methods for loader in args.loaders}
-    costs = run_child("cost", str(args.records), str(args.cost_runs), timeout=args.timeout)
     print(report(rows, small, costs, args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "small": [{"method": m, "loader": n, **r}
                                               for (m, n), r in small.items()],
-                       "cost": costs}, f, indent=1)
+                       "cost": costs, "setup": args.setup}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,14 @@ OUT_DIR/rank{RANK}.json: for each, the identity of the memory this rank maps
 (device and inode of its descriptor), whether this rank built it, whether the
 values are right, and for the list the Rss and Pss of its mapping after every
 rank read every item (two ranks mapping one copy each have Pss = Rss / 2),
-and the errors every rank gets when the building rank fails or the ranks
-give different names.
+and the errors every rank gets when the building rank fails (its data, or its
+copy's handle, cannot be sent), the ranks give different names, or different
+data under one name.
 """
 import json
 import os
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -95,8 +97,14 @@ def run(out: Path, tag: str) -> None:
     res["unnamed"] = {"memory": identity(alone._buffer.fd)}
 
     errors = {}
-    for case, args in {"builder-fails": (lambda: {"key": lambda: 0}, f"{tag}-fails"),
-                       "names-differ": (records, f"{tag}-name{rank}")}.items():
+    cases = {
+        "builder-fails": (lambda: {"key": lambda: 0}, f"{tag}-fails"),
+        "names-differ": (records, f"{tag}-name{rank}"),
+        # the copy is built, but its handle (with the lambda) cannot be sent
+        "factory-unsendable": (lambda: defaultdict(lambda: 0, {"a": 1}), f"{tag}-factory"),
+        "data-differs": (records()[:3 + rank], f"{tag}-differs"),
+    }
+    for case, args in cases.items():
         try:
             torchfeed.share(args[0], name=args[1])
             errors[case] = None

@@ -14,6 +14,7 @@ import os
 import signal
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 
@@ -136,3 +137,58 @@ def own_private_bytes(pid: int) -> int:
             elif head in ("Private_Clean:", "Private_Dirty:") and not shared_buffer:
                 total += int(line.split()[1]) * 1024
     return total
+
+
+class WritesInPlace(torch.utils.data.Dataset):
+    """Issue 52's crash: ``x = torch.from_numpy(self.feats[i]); x.sub_(0.5)``
+    over a 4096x64 float array, and a tensor beside it."""
+
+    def __init__(self) -> None:
+        self.feats = np.arange(4096 * 64, dtype=np.float32).reshape(4096, 64) / 1000
+        self.weights = torch.arange(4096 * 64, dtype=torch.float32).reshape(4096, 64)
+
+    def __len__(self) -> int:
+        return len(self.feats)
+
+    def __getitem__(self, i: int):
+        x = torch.from_numpy(self.feats[i])
+        return x.sub_(0.5) + self.weights[i]
+
+
+class Clip(torch.utils.data.Dataset):
+    """One clip of a ``ConcatDataset`` of many: a 1.3 MiB list of frame records."""
+
+    def __init__(self, clip: int, frames: int = 4000) -> None:
+        self.frames = [(clip, i, f"clip{clip:03d}/frame{i:05d}.jpg") for i in range(frames)]
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def __getitem__(self, i: int):
+        clip, frame, _ = self.frames[i]
+        return torch.tensor([clip, frame, len(share_descriptors())])
+
+
+def share_descriptors() -> list[str]:
+    """This process's descriptors of torchfeed.share's memory."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "torchfeed-share" in os.readlink(f"/proc/self/fd/{fd}"):
+                found.append(fd)
+        except OSError:
+            pass
+    return found
+
+
+class Rows(torch.utils.data.Dataset):
+    """Sample ``i`` is row ``i`` of ``feats``, as it is (a view, with ``collate_fn=list``)."""
+
+    def __init__(self, feats) -> None:
+        self.feats = feats
+
+    def __len__(self) -> int:
+        return len(self.feats)
+
+    def __getitem__(self, i: int):
+        return self.feats[i]

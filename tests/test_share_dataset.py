@@ -9,21 +9,30 @@ as it is; the memory tests read each worker's own private pages from
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import multiprocessing as mp
 import os
+import pickle
+import threading
 import warnings
 import weakref
 from collections import defaultdict
 
+import numpy as np
 import pytest
 import torch
 from share_datasets import (
+    Clip,
     CocoDetectionLike,
     Records,
+    Rows,
     WeakDict,
+    WritesInPlace,
     annotation,
     annotation_records,
     own_private_bytes,
+    share_descriptors,
 )
 
 import torchfeed
@@ -198,6 +207,89 @@ def test_a_restarted_worker_reads_the_shared_attributes(start_method, tmp_path):
     assert type(dataset.records) is SharedSequence
 
 
+# -- no crash, no descriptor per container or batch (issue 52) --------------------------
+@pytest.mark.timeout(60)
+def test_under_fork_arrays_and_tensors_are_left_alone_and_written_in_place(caplog):
+    """Item 1: the shared array was a read-only mapping, and the worker that
+    wrote a sample in place died of SIGSEGV; under fork, arrays and tensors
+    need no sharing at all (reading them writes none of their pages)."""
+    dataset = WritesInPlace()
+    expected = torchs_batches(WritesInPlace(), batch_size=64)
+    loader = torchfeed.DataLoader(dataset, batch_size=64, num_workers=2, share_dataset=True,
+                                  multiprocessing_context="fork")
+    with caplog.at_level(logging.INFO, logger="torchfeed"):
+        got = list(loader)
+    assert_same_batches(got, expected)
+    assert type(dataset.feats) is np.ndarray and dataset.feats.flags.writeable
+    assert type(dataset.weights) is torch.Tensor and not dataset.weights.is_shared()
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name == "torchfeed")
+    assert ("share_dataset: left dataset.feats (a float32 numpy array of shape 4096x64, "
+            "1.0 MiB) unshared: under fork, workers read an array's pages") in logged, logged
+    assert "share_dataset: left dataset.weights (a torch.float32 tensor" in logged, logged
+
+
+@pytest.mark.timeout(60)
+def test_kept_batches_of_shared_array_rows_hold_no_descriptor():
+    """Item 2: a shared array's view in a batch travelled as a duplicated
+    descriptor; 64 kept batches held 65 descriptors and 65 whole mappings."""
+    feats = torchfeed.share(np.arange(4096 * 64, dtype=np.float32).reshape(4096, 64))
+    loader = torchfeed.DataLoader(Rows(feats), batch_size=8, num_workers=2, collate_fn=list,
+                                  multiprocessing_context="fork")
+    before = len(share_descriptors())
+    kept = list(loader)
+    # (fewer, where an earlier test's garbage was collected meanwhile)
+    assert len(kept) == 512 and len(share_descriptors()) <= before
+    assert all(type(row) is np.ndarray for batch in kept for row in batch)
+    assert (np.stack([row for batch in kept for row in batch]) == feats).all()
+
+
+@pytest.mark.timeout(60)
+def test_one_loaders_containers_live_in_one_descriptor():
+    """Item 2: every shared container kept a descriptor open in every process
+    for its whole life: a ConcatDataset of 60 clips ran out of descriptors
+    at ulimit -n 64, where the unshared dataset ran."""
+    clips = [Clip(c, frames=6000) for c in range(60)]
+    dataset = torch.utils.data.ConcatDataset(clips)
+    before = len(share_descriptors())
+    loader = torchfeed.DataLoader(dataset, batch_size=50, sampler=range(0, len(dataset), 600),
+                                  num_workers=2, share_dataset=True, multiprocessing_context="fork")
+    batches = list(loader)
+    assert all(type(clip.frames) is SharedSequence for clip in clips)
+    assert len(share_descriptors()) <= before + 1  # the loader's one memfd
+    in_workers = {int(n) for batch in batches for n in batch[:, 2]}
+    assert max(in_workers) <= before + 1, in_workers
+    assert torch.cat(batches)[:, 0].tolist() == [i // 6000 for i in range(0, len(dataset), 600)]
+
+
+# -- when: from construction, in a thread ---------------------------------------------
+def _forked_child_sees(dataset) -> str:
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=lambda: writer.send(type(dataset.records).__name__))
+    child.start()
+    writer.close()
+    seen = reader.recv() if reader.poll(60) else "nothing"
+    child.join(30)
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_sharing_starts_at_construction_and_a_fork_waits_for_it():
+    """Goal of issue 52: the first batch no longer pays for the sharing pass,
+    done in a thread from the loader's construction; no fork happens while
+    that thread runs (here multiprocessing's own, at once)."""
+    dataset = Records(annotation_records(20_000))
+    loader = torchfeed.DataLoader(dataset, batch_size=500, num_workers=1, share_dataset=True,
+                                  multiprocessing_context="fork")
+    assert _forked_child_sees(dataset) == "SharedSequence"  # the fork waited for the pass
+    assert type(dataset.records) is SharedSequence  # shared before any iter()
+    assert not [t for t in threading.enumerate() if t.name == "torchfeed-share-dataset"]
+    assert_same_batches(list(loader), torchs_batches(Records(annotation_records(20_000)),
+                                                     batch_size=500))
+    [shared] = loader.stats()["large_attributes"]
+    assert shared["attribute"] == "dataset.records" and shared["shared"]
+
+
 # -- telling the user ---------------------------------------------------------------
 @pytest.mark.timeout(90)
 def test_warning_and_stats_name_the_attribute_that_is_copied(monkeypatch, caplog):
@@ -332,3 +424,46 @@ def test_the_main_process_lets_go_of_its_own_copy(start_method, request):
     assert let_go, "the main process still held the original records"
     assert is_shared(dataset.records)
     assert dataset.records[7] == annotation(7) and type(dataset.records[7]) is WeakDict
+
+
+# -- what changes in the main process (issue 52, item 9) ---------------------------------
+def _share_section() -> str:
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        text = f.read()
+    start = text.index("### Workers' memory grows: copy-on-read")
+    return " ".join(text[start:text.index("**Finding the attribute that grows.**")].split())
+
+
+@pytest.mark.timeout(60)
+def test_what_sharing_changes_in_the_main_process_is_what_the_readme_says():
+    """Item 9: after share_dataset=True, some writes in the main process are
+    silent no-ops; each is documented with its reason, and behaves so."""
+    section = _share_section()
+    for documented in (
+            'dataset.records[0]["label"] = 99` leaves record 0 as it was',
+            "an append to a list read from a shared `defaultdict` (a missing key's default "
+            "included) is lost",
+            "appending to it changes neither `len(dataset)` nor what the workers read",
+            "`json.dumps` of one raises `TypeError` (`json.dumps(list(dataset.records))` works)",
+            "`torch.load(..., weights_only=True)` takes them once `list` and `dict` are allowed",
+            "Why not keep the user's own objects in the main process"):
+        assert documented in section, documented
+    records = annotation_records(3000)
+    dataset = Records(records)
+    dataset.by_image = defaultdict(list, {i: [i] for i in range(20_000)})
+    loader = torchfeed.DataLoader(dataset, batch_size=500, num_workers=1, share_dataset=True,
+                                  multiprocessing_context="fork")
+    assert len(list(loader)) == 6
+    dataset.records[0]["label"] = 99
+    assert "label" not in dataset.records[0]
+    dataset.by_image[5].append(6)
+    dataset.by_image[-1].append(1)
+    assert dataset.by_image[5] == [5] and dataset.by_image[-1] == [] and -1 not in dataset.by_image
+    records.append(annotation(3000))
+    assert len(dataset) == 3000
+    with pytest.raises(TypeError, match="SharedSequence is not JSON serializable"):
+        json.dumps(dataset.records)
+    assert json.loads(json.dumps(list(dataset.records)))[7] == annotation(7)
+    again = pickle.loads(pickle.dumps(dataset))
+    assert type(again.records) is list and type(again.by_image) is defaultdict
+    assert again.records == annotation_records(3000)

@@ -41,7 +41,7 @@ from ._processes import StopFlag, launch_worker, launched_at, stop_workers
 from ._protocol import ResumeIteration, StatefulUnpacker, Task, TaskInfo
 from ._receive import ResultReceiver, WorkerDied
 from ._restart import WorkerRestarts
-from ._share_dataset import share_before_workers
+from ._share_job import share_before_workers
 from ._stack_dump import timeout_message
 from ._stats import LiveCounts
 from ._transport import _page_lock, create_channel

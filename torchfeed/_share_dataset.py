@@ -1,6 +1,7 @@
-"""``DataLoader(share_dataset=True)``: find a dataset's large lists, tuples,
-dicts and arrays, and replace them in place by their ``torchfeed.share``
-equivalents before the loader's workers first start (pytorch issue 13246).
+"""``DataLoader(share_dataset=True)``: which of a dataset's attributes are
+large (``find_large``), how they are named (``describe``), and which of them
+every worker copies (``census``, for ``stats()`` and the copy-on-read
+warning).  Sharing them is ``_share_job.py``'s (pytorch issue 13246).
 
 What is searched: the dataset's own attributes (its instance ``__dict__``) and
 the attributes of the plain objects it holds, two levels deep: a pycocotools
@@ -11,39 +12,26 @@ into each of them, and the depth starts again there.
 
 What is large: an exact ``list``, ``tuple``, ``dict`` or ``defaultdict``, a
 numpy array or a CPU tensor of at least ``LARGE_BYTES``, its size estimated
-from ``len`` and a sample of its items (never by walking all of them).  A
-``defaultdict`` keeps its lookup: a missing key gives ``default_factory()``,
-which is not inserted (the container is read-only).  A container of a few
-large entries (``COCO.dataset``, a dict of the JSON file's lists) becomes a
-new container of the same type whose large entries are shared one by one.
-Other dict subclasses,
-object arrays and containers whose items cannot be pickled are left as they
-are, and named in a warning.
-
-In place: ``setattr(owner, name, shared)``, so the main process drops its own
-copy too (unless the user's code keeps another reference to it), and every
-worker, forked or spawned, reads the one shared copy.  Reads then build a
-fresh object each time, in the main process as in the workers.
-
-The same search without sharing names, in ``stats()`` and the copy-on-read
-warning, the containers that every worker copies (``census``).
+from ``len`` and a sample of its items (never by walking all of them); and
+any other object that says, through ``sys.getsizeof`` (its own
+``__sizeof__``: a pandas ``DataFrame``), that it holds that much, found so
+that the log can name it though it is not shared.  One object reached under
+several names (torchvision's ``DatasetFolder.imgs``, which is its
+``samples``) is found under each: the ``alias_of`` the first.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import sys
-import time
 from collections import defaultdict
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from . import _host
-from ._processes import start_forkserver_now
-from ._share import _buffer as _share_buffer
-from ._share import is_shared, share
+from ._share import is_shared
 from ._transport._space import human
 
 logger = logging.getLogger("torchfeed")
@@ -51,7 +39,6 @@ logger = logging.getLogger("torchfeed")
 LARGE_BYTES = 2**20   # containers and arrays from this size on are shared
 _SAMPLES = 32         # items whose size stands for the rest
 _SIZE_BUDGET = 4096   # objects looked at to estimate one attribute's size
-_HOLDER_MAX = 64      # a large container of this many entries or fewer has its entries shared
 _MAX_OBJECTS = 10_000  # attributes looked at in all, whatever the dataset holds
 
 
@@ -64,11 +51,14 @@ class Found(NamedTuple):
     value: Any
     nbytes: int
     why_not: str | None  # why it cannot be shared; None if it can
+    alias_of: str | None = None  # the path it was first found under, if not this one
 
 
 def find_large(dataset) -> list[Found]:
-    """The large lists, tuples, dicts and arrays ``dataset`` holds, two levels deep."""
+    """The large lists, tuples, dicts and arrays ``dataset`` holds, two levels
+    deep, and the other large objects (``why_not`` says why they are not shared)."""
     found: list[Found] = []
+    first: dict[int, Found] = {}  # id of a large value -> where it was first found
     seen: set[int] = {id(dataset)}
     # (object, its path, its level): level 1 is a dataset's, 2 a plain object's it holds.
     # A stack, not a recursive closure: a closure's reference cycle would keep the
@@ -82,7 +72,12 @@ def find_large(dataset) -> list[Found]:
             if budget < 0:
                 return found
             where = f"{path}.{name}"
-            if id(value) in seen:
+            earlier = first.get(id(value))
+            if earlier is not None:
+                found.append(Found(where, obj, name, value, earlier.nbytes, earlier.why_not,
+                                   earlier.path))
+                continue
+            if id(value) in seen or is_shared(value):
                 continue
             if _is_dataset(value):
                 seen.add(id(value))
@@ -95,92 +90,20 @@ def find_large(dataset) -> list[Found]:
                         stack.append((item, f"{where}[{i}]", 1))
                 continue
             size = estimate_bytes(value)
+            why = _why_not(value)
+            if size is None:
+                size, why = _other_large(value)
             if size is not None:
                 if size >= LARGE_BYTES:
                     seen.add(id(value))
-                    found.append(Found(where, obj, name, value, size, _why_not(value)))
+                    first[id(value)] = entry = Found(where, obj, name, value, size, why)
+                    found.append(entry)
                 continue
             if level < 2 and _is_plain(value):
                 seen.add(id(value))
                 stack.append((value, where, level + 1))
-    found.sort(key=lambda f: f.path)
+    found.sort(key=lambda f: (f.alias_of is not None, f.path))
     return found
-
-
-def share_dataset(dataset, originals: list | None = None) -> list[dict]:
-    """Replace each large attribute of ``dataset`` by its shared version, in
-    place.  Returns those replaced, as ``census`` names them (``"shared": True``,
-    and the ``"seconds"`` sharing took); the replaced objects are appended to
-    ``originals``, when given, for the caller to drop when it likes.
-    Logs what it shared (INFO) and what it left alone, and why (WARNING)."""
-    replaced = []
-    for found in find_large(dataset):
-        what = describe(found.value, found.nbytes)
-        if found.why_not is not None:
-            logger.warning("share_dataset: left %s (%s) unshared: %s", found.path, what,
-                           found.why_not)
-            continue
-        began = time.perf_counter()
-        try:
-            shared = _shared(found.value)
-        except (TypeError, ValueError, OSError, RuntimeError) as exc:
-            logger.warning("share_dataset: left %s (%s) unshared: %s", found.path, what, exc)
-            continue
-        try:
-            setattr(found.owner, found.name, shared)
-        except Exception as exc:  # a read-only property, a __setattr__ that refuses
-            logger.warning("share_dataset: left %s (%s) unshared: setting %s.%s failed: %r",
-                           found.path, what, type(found.owner).__name__, found.name, exc)
-            continue
-        if originals is not None:
-            originals.append(found.value)
-        seconds = time.perf_counter() - began
-        logger.info("share_dataset: shared %s (%s) in %.2f s", found.path, what, seconds)
-        replaced.append({"attribute": found.path, "description": what, "bytes": found.nbytes,
-                         "shared": True, "seconds": seconds})
-    return replaced
-
-
-def sharing_pending(loader) -> bool:
-    """The loader asks for ``share_dataset`` and has not shared yet (persistent
-    workers, a second ``iter()``: once is enough)."""
-    return bool(getattr(loader, "share_dataset", False)) and "_shared_attributes" not in loader.__dict__
-
-
-def share_once(loader, keep_originals: bool = False) -> list:
-    """Share ``loader.dataset``'s large attributes if ``sharing_pending``.
-    With ``keep_originals``, returns the replaced objects, which then live
-    until the caller drops the list (``[]`` otherwise)."""
-    if not sharing_pending(loader):
-        return []
-    if not _host.SHARED_CONTAINERS:
-        _host.tell_once("share_dataset", "share_dataset=True shares nothing here: "
-                        f"{_share_buffer.supported()}. Each worker holds its own copy of the "
-                        "dataset, as with torch's DataLoader; stats() names the large "
-                        "attributes copied.", stacklevel=5)
-        loader.__dict__["_shared_attributes"] = []
-        return []
-    originals: list | None = [] if keep_originals else None
-    loader.__dict__["_shared_attributes"] = share_dataset(loader.dataset, originals)
-    return originals or []
-
-
-def share_before_workers(loader) -> list:
-    """``share_dataset=True``: share the dataset's large attributes before the
-    first workers start, once per loader.  Under spawn and forkserver the
-    replaced objects are returned, to be freed in a thread once the workers are
-    launched (``_worker_costs.in_background``, joined before any fork): freeing
-    them then overlaps the workers' start.  A forked worker must not
-    inherit them (the main process would write their pages as it frees them,
-    and the workers would keep the old ones), so under fork they go at once.
-    A fork server is started first, to import torch while the main process shares."""
-    if not sharing_pending(loader):
-        return []
-    ctx = loader.multiprocessing_context or torch.multiprocessing
-    method = ctx.get_start_method()
-    if method == "forkserver":
-        start_forkserver_now(loader.dataset)
-    return share_once(loader, keep_originals=method != "fork")
 
 
 def census(dataset) -> list[dict]:
@@ -190,7 +113,8 @@ def census(dataset) -> list[dict]:
     tensors are left out: reading them writes none of their pages."""
     return [{"attribute": f.path, "description": describe(f.value, f.nbytes), "bytes": f.nbytes,
              "shared": False} for f in find_large(dataset)
-            if isinstance(f.value, (list, tuple, dict)) or _is_object_array(f.value)]
+            if f.alias_of is None and (isinstance(f.value, (list, tuple, dict))
+                                       or _is_object_array(f.value))]
 
 
 def naming(found: list[dict]) -> str:
@@ -224,6 +148,8 @@ def _size(obj, budget: list) -> int:
     items, all in at most ``budget[0]`` objects looked at."""
     budget[0] -= 1
     outer = sys.getsizeof(obj)
+    if type(obj) is torch.Tensor and obj.device.type == "cpu":
+        outer += obj.element_size() * obj.numel()  # its __sizeof__ leaves the storage out
     if budget[0] <= 0:
         return outer
     if isinstance(obj, (dict, list, tuple, set, frozenset)) or _is_object_array(obj):
@@ -252,6 +178,8 @@ def _is_object_array(obj) -> bool:
 def describe(value, nbytes: int) -> str:
     """"a list of 1,000,000 dicts, 1.0 GiB"."""
     kind = type(value)
+    if not isinstance(value, (list, tuple, dict)) and not hasattr(value, "dtype"):
+        return f"a {_type_name(kind)}, {human(nbytes)}"
     if kind is torch.Tensor or not isinstance(value, (list, tuple, dict)):
         shape = "x".join(str(d) for d in value.shape)
         noun = "tensor" if kind is torch.Tensor else f"{kind.__module__.split('.')[0]} array"
@@ -296,21 +224,38 @@ def _why_not(value) -> str | None:
     if _is_object_array(value):
         return ("it is an array of Python objects, which sharing would copy out item by item; "
                 "convert it to a list to share it")
+    if getattr(getattr(value, "dtype", None), "kind", None) == "T":
+        return ("its numpy StringDType keeps the strings outside the array's memory; "
+                "convert it to a fixed-width array (x.astype(str)) or a list to share it")
     return None
 
 
-def _shared(value):
-    if type(value) in (list, tuple, dict) and len(value) <= _HOLDER_MAX:
-        # A few large entries (pycocotools' ``COCO.dataset``: {"images": [...],
-        # "annotations": [...], ...}) are shared one by one, in a new container of
-        # the same type, so that reading one entry does not load them all.
-        pairs = value.items() if isinstance(value, dict) else enumerate(value)
-        large = {key for key, entry in pairs
-                 if (estimate_bytes(entry) or 0) >= LARGE_BYTES and _why_not(entry) is None}
-        if large:
-            if isinstance(value, dict):
-                return {key: _shared(entry) if key in large else entry
-                        for key, entry in value.items()}
-            return type(value)(_shared(entry) if i in large else entry
-                               for i, entry in enumerate(value))
-    return share(value)
+def _other_large(value) -> tuple[int | None, str | None]:
+    """The size of an object that is not a container or array sharing takes,
+    where its type reports what it holds (its own ``__sizeof__``), and why it
+    is not shared; (None, None) for the rest."""
+    kind = type(value)
+    if isinstance(value, (type, torch.nn.Module)) or callable(value):
+        return None, None
+    if kind.__sizeof__ is object.__sizeof__ and not isinstance(value, (str, bytes)):
+        return None, None
+    try:
+        size = sys.getsizeof(value)
+    except Exception:
+        return None, None
+    if size < LARGE_BYTES:
+        return None, None
+    name = _type_name(kind)
+    if isinstance(value, np.ndarray):
+        why = (f"it is a {name}, an array subclass whose own behaviour a shared array would "
+               f"lose; share np.asarray(x) if that behaviour is not needed")
+    else:
+        why = (f"torchfeed.share takes lists, tuples, dicts and numpy arrays, not a {name}; "
+               f"hold its data as those (a DataFrame's columns as numpy arrays, "
+               f"df[c].to_numpy(), or lists) to share it")
+    return size, why
+
+
+def _type_name(kind: type) -> str:
+    module = kind.__module__.split(".")[0]
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"

@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 
 import torch.utils.data
 
-from . import _state
+from . import _share_job, _state
 from ._device import validate_device
 from ._errors import explain_start_method, nested_worker_error
 from ._iterator_base import BaseIterator
@@ -105,18 +105,21 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             returns).  Batches are handed over by reference, workers start at
             once and share the loader's dataset.  The same batches, order and
             ``state_dict()`` as processes.  See "Threads or processes".
-        share_dataset (bool): before the workers first start, replace the
-            dataset's large attributes (a ``list``, ``tuple``, ``dict``,
-            ``defaultdict`` or array of 1 MiB or more, on the dataset, on the
-            plain objects it holds, two levels deep, and on the datasets a
-            ``Subset`` or ``ConcatDataset`` wraps) by read-only shared versions
-            (`torchfeed.share`), in place: the main process and every
-            worker then hold one copy between them, read without copy-on-read
-            under ``fork`` and sent as a handle under ``spawn`` and
-            ``forkserver``.  Each read builds a fresh object; a write raises
-            ``TypeError``.  Done once per loader; nothing is shared with
-            ``num_workers=0``, nor with ``worker_method="thread"``, whose
-            workers read the dataset itself.  Default ``False``.  See
+        share_dataset (bool): from construction on, in a thread (the first
+            ``iter()`` that starts workers waits for it), replace the
+            dataset's large attributes (a ``list``, ``tuple``, ``dict`` or
+            ``defaultdict`` of 1 MiB or more, and under ``spawn`` and
+            ``forkserver`` numpy arrays, on the dataset, on the plain objects
+            it holds, two levels deep, and on the datasets a ``Subset`` or
+            ``ConcatDataset`` wraps) by shared versions
+            (`torchfeed.share`), in place, all in one memfd: the main
+            process and every worker then hold one copy between them, read
+            without copy-on-read under ``fork`` and sent as a handle under
+            ``spawn`` and ``forkserver``.  Each read builds a fresh object; a
+            write to a container raises ``TypeError``, one to an array stays
+            in the process that makes it.  Done once per loader; nothing is
+            shared with ``num_workers=0``, nor with ``worker_method="thread"``,
+            whose workers read the dataset itself.  Default ``False``.  See
             "Sharing data".
 
     Raises:
@@ -190,6 +193,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.log_every = resolve_log_every(log_every)
         validate_device(device)
         self.device = device
+        _share_job.start(self)  # share_dataset=True: the pass over the data begins now, in a thread
 
     def __iter__(self):
         kept = self.__dict__.get("_iterator")

@@ -1,11 +1,20 @@
 """Shared numpy arrays and tensors.
 
-A numpy array becomes a ``SharedArray``: an ``ndarray`` subclass over a
-sealed memfd (``_buffer.py``), read-only (numpy's own ``ValueError``,
-"assignment destination is read-only", on a write). Its views (slices,
-transposes) stay backed by the same memory and travel as the buffer's handle
-plus their offset and strides; arrays computed from it are ordinary memory
-and pickle as values.
+A numpy array becomes a ``SharedArray``: an ``ndarray`` subclass over its
+part of a sealed memfd (``_buffer.py``), in the array's own memory order (C,
+Fortran, a 0-d array's single element). Each process maps it copy-on-write
+(``MAP_PRIVATE``): reading shares the one copy; an in-place write (``x -=
+0.5`` on a sample, ``torch.from_numpy(row).sub_(...)``) costs the writer
+private pages and changes nothing another process sees, as a write into a
+forked worker's or a spawned worker's own copy of an unshared array does.
+Computations give plain numpy arrays, reductions numpy scalars
+(``__array_wrap__``).
+
+Pickling: by ``multiprocessing`` (a spawned worker's dataset) a whole shared
+array travels as its pack's descriptor and is mapped again, unless this
+process has written to it: then, like every view (a row returned in a
+batch), it travels as its values. Any other pickler writes the values of
+what is pickled, never the whole buffer.
 
 A tensor is shared the way ``torch.multiprocessing`` shares tensors: a copy
 in memory from ``Tensor.share_memory_()``, whose storage torch's own
@@ -15,79 +24,135 @@ tensor, so writes are not refused; they show in every process.
 
 from __future__ import annotations
 
+from multiprocessing import reduction
+
 import numpy as np
 import torch
 
-from ._buffer import BufferWriter, SharedBuffer
+from ._buffer import PAGE, SharedBuffer
 
 try:
     from numpy.lib.array_utils import byte_bounds as _byte_bounds
 except ImportError:  # numpy < 2
     _byte_bounds = np.byte_bounds  # type: ignore[attr-defined]
 
-_DATA_ALIGN = 64
+_NUMPY_1 = np.lib.NumpyVersion(np.__version__) < "2.0.0"
 
 
-def share_array(array: np.ndarray, name: str | None) -> "SharedArray":
+def check_array(array: np.ndarray) -> None:
+    """Refuse what a shared array cannot hold (``TypeError``)."""
+    if type(array) not in (np.ndarray, SharedArray):
+        raise TypeError(
+            f"torchfeed.share: {type(array).__module__}.{type(array).__qualname__} is a numpy "
+            f"array subclass, whose own behaviour (a mask, fields, matrix shapes) a shared "
+            f"array would lose; share np.asarray(x) if that behaviour is not needed, or leave "
+            f"it unshared.")
+    if array.dtype.kind == "T":
+        raise TypeError("torchfeed.share: a numpy StringDType array keeps its strings outside "
+                        "the array's memory; share array.astype(str) (fixed-width) or a "
+                        "list of its strings (array.tolist()).")
     if array.dtype.hasobject:
         raise TypeError("torchfeed.share: a numpy array of dtype object holds Python "
                         "objects, not values; share a list of them instead (list(array)).")
-    contiguous = np.ascontiguousarray(array)
-    writer = BufferWriter(name)
-    try:
-        writer.write_records([(contiguous.dtype, contiguous.shape)])
-        data_at = writer.append(contiguous.reshape(-1).view(np.uint8), _DATA_ALIGN)
-        buffer = writer.finish("ndarray", contiguous.size, index=None)
-    except BaseException:
-        writer.abandon()
-        raise
-    return _attach_array(buffer, data_at, contiguous.shape, None, contiguous.dtype)
 
 
-def _attach_array(buffer: SharedBuffer, offset: int, shape, strides, dtype) -> "SharedArray":
-    base = np.frombuffer(buffer.view, np.uint8)
-    array = np.ndarray(shape, dtype, buffer=base, offset=offset, strides=strides).view(SharedArray)
-    array._shared_buffer = buffer
+def attach_array(buffer: SharedBuffer, part: int) -> "SharedArray":
+    """Part ``part`` of ``buffer``, mapped copy-on-write in this process."""
+    dtype, shape, strides, data_at, nbytes = buffer.parts[part].extra
+    if nbytes:
+        mapping, start = buffer.map_private(data_at, nbytes)
+    else:
+        mapping, start = np.zeros(max(dtype.itemsize, 1), np.uint8), 0
+    array = np.ndarray(shape, dtype, buffer=mapping, offset=start,
+                       strides=strides if nbytes else None).view(SharedArray)
+    array._shared_buffer, array._shared_part, array._shared_mapping = buffer, part, mapping
     return array
 
 
 class SharedArray(np.ndarray):
-    """A read-only numpy array in shared memory, made by :func:`torchfeed.share`."""
+    """A numpy array in shared memory, copy-on-write in each process, made by
+    :func:`torchfeed.share`."""
 
     _shared_buffer: SharedBuffer | None = None
+    _shared_part: int = -1
+    _shared_mapping: np.ndarray | None = None
 
     def __array_finalize__(self, obj):
-        buffer = getattr(obj, "_shared_buffer", None)
-        if buffer is not None and _within(self, buffer):
-            self._shared_buffer = buffer
+        mapping = getattr(obj, "_shared_mapping", None)
+        if mapping is not None and _within(self, mapping):
+            self._shared_buffer = obj._shared_buffer
+            self._shared_part = obj._shared_part
+            self._shared_mapping = mapping
+
+    def __array_wrap__(self, array, context=None, return_scalar=False):
+        # a ufunc's or a reduction's result: new memory, as numpy gives it for
+        # a plain array (a scalar for a reduction), unless it was written into
+        # this shared memory (out=)
+        if return_scalar or (_NUMPY_1 and array.ndim == 0):
+            return array[()]
+        if getattr(array, "shared_buffer", None) is not None:
+            return array
+        return array.view(np.ndarray)
 
     @property
     def shared_buffer(self) -> SharedBuffer | None:
-        """The buffer this array's memory lies in (None: ordinary memory)."""
-        buffer = self._shared_buffer
-        return buffer if buffer is not None and _within(self, buffer) else None
+        """The pack this array's memory lies in (None: ordinary memory)."""
+        mapping = self._shared_mapping
+        return self._shared_buffer if mapping is not None and _within(self, mapping) else None
 
-    def __reduce__(self):
+    def _whole_and_clean(self) -> bool:
+        """This is the whole shared array, as it was written: no view of it,
+        no page this process wrote to."""
         buffer = self.shared_buffer
         if buffer is None:
-            return self.view(np.ndarray).__reduce__()
-        offset = self.__array_interface__["data"][0] - buffer.address
-        # the buffer travels as a descriptor (ForkingPickler) or as its bytes
-        return _attach_array, (buffer, offset, self.shape, self.strides, self.dtype)
+            return False
+        dtype, shape, strides, data_at, _ = buffer.parts[self._shared_part].extra
+        if (self.dtype, self.shape, self.strides) != (dtype, shape, strides):
+            return False
+        mapping = self._shared_mapping
+        assert mapping is not None
+        start = data_at % PAGE
+        address = self.__array_interface__["data"][0]
+        if address != mapping.ctypes.data + start:
+            return False
+        return not self.nbytes or not has_private_pages(address, self.nbytes)
 
     def __reduce_ex__(self, protocol):
-        return self.__reduce__()
+        # any pickler but multiprocessing's: the values of this array (a view: its own)
+        return self.view(np.ndarray).__reduce_ex__(protocol)
 
-    def __copy__(self):
-        return self if self.shared_buffer is not None else np.ndarray.__copy__(self)
+    def _reduce_for_process(self):
+        if self._whole_and_clean():
+            return attach_array, (self._shared_buffer, self._shared_part)
+        return np.asarray, (self.view(np.ndarray),)  # pickled with the pickler's protocol
 
-    def __deepcopy__(self, memo):
-        return self if self.shared_buffer is not None else np.ndarray.__deepcopy__(self, memo)
+
+reduction.ForkingPickler.register(SharedArray, SharedArray._reduce_for_process)
 
 
-def _within(array: np.ndarray, buffer: SharedBuffer) -> bool:
+def _within(array: np.ndarray, mapping: np.ndarray) -> bool:
     low, high = _byte_bounds(array)
-    return buffer.address <= low and high <= buffer.address + buffer.nbytes
+    start = mapping.ctypes.data
+    return start <= low and high <= start + mapping.nbytes
+
+
+def has_private_pages(address: int, length: int) -> bool:
+    """Whether this process has written to any page of a private file mapping
+    in ``[address, address + length)``: such a page is anonymous memory now,
+    no longer the file's (``/proc/self/pagemap``: present or swapped, and not
+    a file page). Where that cannot be read, True: the caller sends values."""
+    first, last = address // PAGE, (address + length - 1) // PAGE
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            entries = np.frombuffer(f.read((last - first + 1) * 8), np.uint64)
+    except (OSError, ValueError):
+        return True
+    if len(entries) != last - first + 1:
+        return True
+    in_memory = (entries >> np.uint64(62)) != 0          # present (63) or swapped (62)
+    file_page = ((entries >> np.uint64(61)) & np.uint64(1)) != 0
+    return bool((in_memory & ~file_page).any())
 
 
 def share_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -96,8 +161,10 @@ def share_tensor(tensor: torch.Tensor) -> torch.Tensor:
                         f"share a CPU tensor (tensor.cpu()).")
     if tensor.is_shared():
         return tensor
-    shared = torch.empty_like(tensor, requires_grad=False)
+    shared = torch.empty_like(tensor, requires_grad=False, memory_format=torch.preserve_format)
     shared.share_memory_()
     with torch.no_grad():
         shared.copy_(tensor)
+    if tensor.requires_grad:
+        shared.requires_grad_(True)
     return shared

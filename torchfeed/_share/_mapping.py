@@ -1,57 +1,39 @@
 """``SharedMapping``: a dict shared read-only between processes.
 
-Key ``i`` (in the dict's order) is record ``2i`` of the buffer, its value
-record ``2i + 1``. The key index is two int64 arrays after the records: the
-keys' stable hashes (``_stable_hash.py``) sorted, and the key number of
-each. A lookup hashes the key, bisects the sorted hashes, and loads and
-compares only the keys of equal hash; reading a value loads a fresh object.
+Key ``i`` (in the dict's order) is record ``i`` of its part's key column, its
+value record ``i`` of its value column (``_buffer.py``). The key index is two
+int64 arrays after them: the keys' stable hashes (``_stable_hash.py``) sorted, and the key
+number of each. A lookup hashes the key, bisects the sorted hashes, and
+loads and compares only the keys of equal hash; reading a value loads a
+fresh object.
 
 A ``defaultdict``'s ``default_factory`` travels with the mapping: a missing
 key gives ``default_factory()``, as a lookup in the original would, but the
 shared dict does not grow.
+
+Pickled by ``multiprocessing`` it travels as its pack's descriptor; by any
+other pickler as the plain dict or defaultdict.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-import pickle
-import sys
 from collections import defaultdict
 from collections.abc import ItemsView, Mapping, ValuesView
+from multiprocessing import reduction
 from typing import Any, Callable
 
-import numpy as np
-
-from ._buffer import BufferWriter, SharedBuffer
+from ._buffer import SharedBuffer, is_special, load_special
+from ._equality import same_value
 from ._readonly import OneBuffer, refusing
-from ._stable_hash import UnstableKey, stable_hash
+from ._records import refuse_inside_records
+from ._stable_hash import UnstableKey, same_key, stable_hash
 
 _SHORT_REPR = 6
 
 
-def build_mapping(items: dict, name: str | None) -> "SharedMapping":
-    hashes = np.fromiter(map(stable_hash, items), dtype=np.int64, count=len(items))
-    order = np.argsort(hashes, kind="stable")
-    index = np.concatenate([hashes[order], order.astype(np.int64)])
-    writer = BufferWriter(name)
-    try:
-        writer.write_records(itertools.chain.from_iterable(items.items()))
-        buffer = writer.finish("dict", len(items), index)
-    except BaseException as exc:
-        writer.abandon()
-        position = getattr(exc, "position", None)
-        if position is not None:
-            what = "key" if position % 2 == 0 else "value"
-            raise TypeError(f"torchfeed.share: the {what} of the dict's item {position // 2} "
-                            f"cannot be pickled: {exc}. Shared items are stored pickled; "
-                            f"leave this dict unshared, or make its items picklable."
-                            ) from exc.__cause__
-        raise
-    factory = items.default_factory if isinstance(items, defaultdict) else None
-    return SharedMapping._attach(buffer, factory)
-
-
+@refuse_inside_records
 class SharedMapping(OneBuffer, Mapping):
     """A read-only dict whose keys and values live once in shared memory.
 
@@ -70,11 +52,15 @@ class SharedMapping(OneBuffer, Mapping):
         KeyError: a missing key, as a dict's (without ``default_factory``).
     """
 
-    __slots__ = ("_buffer", "_view", "_offsets", "_len", "_hashes", "_order",
-                 "default_factory", "original_type")
+    __slots__ = ("_buffer", "_part", "_view", "_offsets", "_loads", "_key_offsets", "_key_loads",
+                 "_len", "_hashes", "_order", "default_factory", "original_type")
     _buffer: SharedBuffer
+    _part: int
     _view: memoryview
     _offsets: memoryview
+    _loads: Callable[[Any], Any]
+    _key_offsets: memoryview
+    _key_loads: Callable[[Any], Any]
     _len: int
     _hashes: memoryview
     _order: memoryview
@@ -85,31 +71,40 @@ class SharedMapping(OneBuffer, Mapping):
         raise TypeError("SharedMapping is made by torchfeed.share(a_dict)")
 
     @classmethod
-    def _attach(cls, buffer: SharedBuffer, default_factory=None) -> "SharedMapping":
-        header = buffer.header
-        if header.hash_modulus != sys.hash_info.modulus:
-            # built where numbers hash differently (another platform): reindex
-            values = dict(_pairs(buffer))
-            return build_mapping(values if default_factory is None
-                                 else defaultdict(default_factory, values), None)
+    def _attach(cls, buffer: SharedBuffer, part: int, default_factory=None) -> "SharedMapping":
+        entry = buffer.parts[part]
         self = object.__new__(cls)
-        self._buffer = buffer
-        self._view, self._offsets = buffer.view, buffer.offsets
-        self._len = n = header.items
-        self._hashes = buffer.index(header.index_at, n) if n else memoryview(b"").cast("q")
-        self._order = buffer.index(header.index_at + 8 * n, n) if n else self._hashes
+        self._buffer, self._part = buffer, part
+        self._view = buffer.view
+        self._key_offsets, self._key_loads = buffer.column(part, 0)
+        self._offsets, self._loads = buffer.column(part, 1)
+        self._len = n = entry.items
+        self._hashes = buffer.index(entry.index_at, n) if n else memoryview(b"").cast("q")
+        self._order = buffer.index(entry.index_at + 8 * n, n) if n else self._hashes
         self.default_factory = default_factory
-        self.original_type = defaultdict if default_factory is not None else dict
+        self.original_type = defaultdict if entry.kind == "defaultdict" else dict
         return self
 
     @property
     def nbytes(self) -> int:
         """Bytes of shared memory behind this mapping (all processes together)."""
-        return self._buffer.nbytes
+        keys, values, n = self._key_offsets, self._offsets, self._len
+        return (keys[n] - keys[0] + values[n] - values[0] + keys.nbytes + values.nbytes
+                + 2 * self._hashes.nbytes)
 
-    def _record(self, r: int):
+    def _key(self, i: int):
+        offsets = self._key_offsets
+        return self._key_loads(self._view[offsets[i]:offsets[i + 1]])
+
+    def _value(self, i: int):
         offsets = self._offsets
-        return pickle.loads(self._view[offsets[r]:offsets[r + 1]])
+        data = self._view[offsets[i]:offsets[i + 1]]
+        try:
+            return self._loads(data)
+        except Exception:
+            if not is_special(data):
+                raise
+            return load_special(self._buffer, data)
 
     def _find(self, key) -> int:
         """The key number of ``key``, or -1."""
@@ -121,8 +116,7 @@ class SharedMapping(OneBuffer, Mapping):
         at = bisect.bisect_left(hashes, h)
         while at < self._len and hashes[at] == h:
             i = order[at]
-            stored = self._record(2 * i)
-            if stored is key or stored == key:
+            if same_key(self._key(i), key):
                 return i
             at += 1
         return -1
@@ -133,23 +127,23 @@ class SharedMapping(OneBuffer, Mapping):
             if self.default_factory is not None:
                 return self.default_factory()
             raise KeyError(key)
-        return self._record(2 * i + 1)
+        return self._value(i)
 
     def __contains__(self, key) -> bool:
         return self._find(key) >= 0
 
     def get(self, key, default=None):
         i = self._find(key)
-        return default if i < 0 else self._record(2 * i + 1)
+        return default if i < 0 else self._value(i)
 
     def __len__(self) -> int:
         return self._len
 
     def __iter__(self):
-        return self._buffer.records(0, 2 * self._len, 2)
+        return self._buffer.records(self._part, column=0)
 
     def __reversed__(self):
-        return self._buffer.records(2 * self._len - 2, -1, -2)
+        return self._buffer.records(self._part, self._len - 1, -1, -1, column=0)
 
     def values(self):
         return _SharedValues(self)
@@ -157,15 +151,29 @@ class SharedMapping(OneBuffer, Mapping):
     def items(self):
         return _SharedItems(self)
 
+    def _pairs(self):
+        return zip(self._buffer.records(self._part, column=0), self._buffer.records(self._part))
+
     def __eq__(self, other):
-        if isinstance(other, SharedMapping) and other._buffer is self._buffer:
+        if isinstance(other, SharedMapping) and other._buffer is self._buffer \
+                and other._part == self._part:
             return True
         if not isinstance(other, Mapping):
             return NotImplemented
         if len(other) != self._len:
             return False
         missing = object()
-        return all(other.get(k, missing) == v for k, v in _pairs(self._buffer))
+        for key, value in self._pairs():
+            theirs = other.get(key, missing)
+            if theirs is missing:
+                theirs = next((v for k, v in other.items() if same_key(k, key)), missing)
+            if theirs is missing or not same_value(value, theirs):
+                return False
+        return True
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -181,26 +189,30 @@ class SharedMapping(OneBuffer, Mapping):
 
     def copy(self) -> dict:
         """A plain, mutable copy (a ``defaultdict`` for a shared defaultdict)."""
-        if self.default_factory is not None:
-            return defaultdict(self.default_factory, self.items())
-        return dict(self.items())
+        if self.original_type is defaultdict:
+            return defaultdict(self.default_factory, self._pairs())
+        return dict(self._pairs())
 
     def __repr__(self) -> str:
-        shown = itertools.islice(_pairs(self._buffer), _SHORT_REPR)
+        shown = itertools.islice(self._pairs(), _SHORT_REPR)
         head = [f"{k!r}: {v!r}" for k, v in shown]
         if self._len > _SHORT_REPR:
             head.append(f"... ({self._len} items)")
         return f"SharedMapping({{{', '.join(head)}}})"
 
-    # -- one buffer, whatever the copy --------------------------------------------
-    def __reduce__(self):
-        # the buffer travels as a descriptor (ForkingPickler) or as its bytes
-        return SharedMapping._attach, (self._buffer, self.default_factory)
+    # -- pickling -------------------------------------------------------------------
+    def __reduce_ex__(self, protocol):
+        # any pickler but multiprocessing's: the plain dict or defaultdict
+        if self.original_type is defaultdict:
+            return defaultdict, (self.default_factory,), None, None, self._pairs()
+        return dict, (), None, None, self._pairs()
+
+    def _reduce_for_process(self):
+        # multiprocessing's: the pack's descriptor (one, however many containers)
+        return SharedMapping._attach, (self._buffer, self._part, self.default_factory)
 
 
-def _pairs(buffer: SharedBuffer):
-    records = buffer.records()
-    return zip(records, records)
+reduction.ForkingPickler.register(SharedMapping, SharedMapping._reduce_for_process)
 
 
 class _SharedValues(ValuesView):
@@ -209,7 +221,10 @@ class _SharedValues(ValuesView):
 
     def __iter__(self):
         mapping = self._mapping
-        return mapping._buffer.records(1, 2 * mapping._len, 2)
+        return mapping._buffer.records(mapping._part)
+
+    def __contains__(self, value) -> bool:
+        return any(same_value(v, value) for v in self)
 
 
 class _SharedItems(ItemsView):
@@ -217,7 +232,7 @@ class _SharedItems(ItemsView):
     _mapping: SharedMapping
 
     def __iter__(self):
-        return _pairs(self._mapping._buffer)
+        return self._mapping._pairs()
 
 
 refusing(SharedMapping, {
