@@ -5,13 +5,15 @@ Usage: python check_wheel.py WHEEL
 
 Checks that torchfeed and its subpackages (bench, tune) import from the venv,
 not from the checkout; that the installed metadata's version is
-``torchfeed.__version__``; that the wheel holds the package and no tests; and
-that both command lines start.  Exits non-zero, naming what is wrong.
+``torchfeed.__version__``; that the wheel holds the package and no tests; that
+the wheel and the sdist beside it hold the LICENSE (setup.cfg's
+``license_files``); and that both command lines start.  Exits non-zero, naming what is wrong.
 """
 import importlib.metadata
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import torchfeed
@@ -31,6 +33,12 @@ assert top == ["torchfeed", f"torchfeed-{installed}.dist-info"], f"the wheel hol
 for package in ("torchfeed/bench/", "torchfeed/tune/", "torchfeed/_transport/", "torchfeed/_share/",
                 "torchfeed/_ipc/"):
     assert any(n.startswith(package) for n in names), f"the wheel lacks {package}"
+# setuptools puts it in .dist-info/licenses/ (PEP 639), older ones in .dist-info/
+assert any(n.startswith(f"torchfeed-{installed}.dist-info/") and n.endswith("/LICENSE")
+           for n in names), "the wheel holds no LICENSE"
+sdist = os.path.join(os.path.dirname(wheel), f"torchfeed-{installed}.tar.gz")
+with tarfile.open(sdist) as archive:
+    assert f"torchfeed-{installed}/LICENSE" in archive.getnames(), f"{sdist} holds no LICENSE"
 for command in ("torchfeed.tune", "torchfeed.bench"):
     subprocess.run([sys.executable, "-m", command, "--help"], check=True, stdout=subprocess.DEVNULL)
 print(f"== {os.path.basename(wheel)}: torchfeed {installed} imports from {os.path.dirname(torchfeed.__file__)}")

@@ -16,7 +16,7 @@ one torchrun job (an agent and two interpreters importing torch) serves them all
 OUT_DIR/accelerate: it imports Accelerate and sets the global seed.  Each part
 that fails is reported and the next one still runs; the rank exits non-zero.
 
-``--readme-ddp DIR`` (the world-2 and world-1 launches) then runs the README's
+``--readme-ddp DIR`` (the world-2 and world-1 launches) then runs the docs'
 ``DIR/train_ddp.py`` (test_readme.py) as torchrun runs it: as ``__main__``, from
 DIR, with that argv and this launch's torchrun environment, once every scenario
 above has destroyed its process group (the script makes its own).  Its output
@@ -208,7 +208,7 @@ def main():
 
 def init_under_a_prefix(prefix: str) -> None:
     """The default process group, on torchrun's store as ``env://`` makes it, with
-    its keys under ``prefix/``.  The README's example (``--readme-ddp``) makes the
+    its keys under ``prefix/``.  The docs' example (``--readme-ddp``) makes the
     default group again after this one is destroyed, as a fresh launch would: the
     default group's keys are named by a count that ``destroy_process_group`` resets,
     so on the same keys a rank of the second group could read the first one's
@@ -222,7 +222,7 @@ def init_under_a_prefix(prefix: str) -> None:
 
 
 def run_readme_ddp(folder: Path) -> bool:
-    """The README's train_ddp.py, as ``torchrun ... train_ddp.py`` would run it
+    """docs/distributed.md's train_ddp.py, as ``torchrun ... train_ddp.py`` would run it
     here.  Rank 0 writes what it printed, and its traceback if it failed, to
     ``folder/output-WORLD_SIZE.txt``; any rank's traceback also goes to stderr."""
     out = io.StringIO()

@@ -47,9 +47,9 @@ collection the worker asks the kernel to back that memory with 2 MiB pages
 512.  The pages and their contents stay the same, as does what a forked
 worker copies when it writes to one (4 KiB: the kernel splits the huge page in
 that process first).  A loader worker's fork and exit then cost about a third
-less, and side by side on 2 cores (2026-11-28, the README has the figures)
-the pytest workers and their forked loader workers spent 12 to 19% less CPU,
-and the suite 0 to 10% less time.  Where the worker writes while children
+less, and side by side on 2 cores (2026-11-28; docs/contributing.md has the
+suite's times) the pytest workers and their forked loader workers spent 12 to
+19% less CPU, and the suite 0 to 10% less time.  Where the worker writes while children
 share the memory, the kernel splits the huge page back: within ten seconds
 only 40 to 65 MiB of the 170 were still huge.  So between tests, at most every
 ``COLLAPSE_AGAIN_AFTER`` seconds, the worker asks again (in one run 25 to 56

@@ -7,7 +7,7 @@ launches resume from), tests/_share_ranks.py's (test_share.py) and
 tests/_dist_datapipes.py's (test_torch_fidelity.py) and, where Accelerate is installed,
 tests/_accelerate_ranks.py's (test_frameworks.py; with no GPU visible, as Accelerate's
 CPU ranks need: with one, each rank reached for a CUDA device of its own).  The
-world-2 and world-1 jobs then run the README's DDP example, its first run and its
+world-2 and world-1 jobs then run the DDP example of docs/distributed.md, its first run and its
 resume at another scale (test_readme.py), as torchrun runs a script: each rank
 runs it as ``__main__`` (tests/_dist_ranks.py, ``--readme-ddp``).  ``runs(tmp_path_factory)``
 launches each job once per pytest process and keeps its results; the tests that
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 from _dist_ranks import HANG_S
-from loader_helpers import launch_in_own_session, readme_python_block
+from doc_examples import doc_python_block
+from loader_helpers import launch_in_own_session
 
 HERE = Path(__file__).resolve().parent
 
@@ -70,7 +71,7 @@ def launch(tmp_path_factory, name: str) -> Launch:
     readme = ["--readme-ddp", str(base / "readme")]
     if name == "n2":
         (base / "readme").mkdir()
-        (base / "readme" / "train_ddp.py").write_text(readme_python_block("# train_ddp.py"))
+        (base / "readme" / "train_ddp.py").write_text(doc_python_block("# train_ddp.py"))
         accelerate = ["--accelerate"] if importlib.util.find_spec("accelerate") else []
         run = Launch(2, base / name, "--save", "--share", f"ranks-{uuid.uuid4().hex[:12]}",
                      "--datapipes", *accelerate, *readme, env={"CUDA_VISIBLE_DEVICES": ""})
@@ -89,7 +90,7 @@ def launch(tmp_path_factory, name: str) -> Launch:
 
 
 def readme_ddp_output(tmp_path_factory, nproc: int) -> str:
-    """What rank 0 of the README's DDP example printed in the world-``nproc`` job
+    """What rank 0 of the DDP example (docs/distributed.md) printed in the world-``nproc`` job
     (2: its first run; 1: its resume from the checkpoint that run left)."""
     run = launch(tmp_path_factory, {2: "n2", 1: "n1"}[nproc])
     out = _base[0] / "readme" / f"output-{nproc}.txt"

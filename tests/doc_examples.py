@@ -3,8 +3,9 @@
 A ```` ```python ```` block whose first line names a file (``# train_ddp.py``)
 is a runnable example: the tests save it under that name and run it as
 written (tests/test_readme.py, tests/test_gpu_feed.py).  The same example may
-stand in the README and on a docs page while sections move between them; it
-must then be the same text in both, so that running it once checks both.
+stand in several places (``quickstart.py`` is in README.md and on
+docs/getting-started.md); it must then be the same text in each, so that
+running it once checks them all.
 Every other block is a fragment (it names a ``dataset`` or a ``model`` the
 reader has), which must still compile (tests/test_docs.py).
 """

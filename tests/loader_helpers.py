@@ -21,7 +21,6 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from doc_examples import doc_python_block
 
 import torchfeed
 from torchfeed._torch_compat import TAKES_IN_ORDER
@@ -270,7 +269,6 @@ def launch_in_own_session(cmd, timeout, env=None):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, "README.md")
 
 
 def env_with_path(*folders) -> dict:
@@ -279,10 +277,3 @@ def env_with_path(*folders) -> dict:
     checkout's torchfeed, the tests' helpers), whether torchfeed is installed or not."""
     old = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, folders)] + ([old] if old else []))}
-
-
-def readme_python_block(starting_with: str) -> str:
-    """The one ```python block whose first line is ``starting_with`` (its file
-    name, ``# train_ddp.py``), from README.md or docs/ (``doc_examples``): the
-    examples the tests run as written."""
-    return doc_python_block(starting_with)

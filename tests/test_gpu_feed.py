@@ -22,7 +22,8 @@ import signal
 
 import pytest
 import torch
-from loader_helpers import ROOT, env_with_path, readme_python_block
+from doc_examples import doc_python_block
+from loader_helpers import ROOT, env_with_path
 from torch.utils.data import Dataset
 
 import torchfeed
@@ -280,7 +281,7 @@ def test_readme_device_stage_example_runs_as_written(tmp_path):
     import subprocess
     import sys
 
-    (tmp_path / "feed_gpu.py").write_text(readme_python_block("# feed_gpu.py"))
+    (tmp_path / "feed_gpu.py").write_text(doc_python_block("# feed_gpu.py"))
     proc = subprocess.run([sys.executable, "feed_gpu.py"], cwd=tmp_path, env=env_with_path(ROOT),
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr

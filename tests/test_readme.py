@@ -9,7 +9,7 @@ tests/test_docs.py checks that every named example is run here (or, for
 The examples run with ``python <file>`` are each saved under their own name and
 run as ``__main__``, one after another in one fresh interpreter (``examples``).
 
-The "Multiple GPUs and nodes" example is cut out of the README, saved as
+The example of "Multiple GPUs and nodes" (docs/distributed.md) is saved as
 ``train_ddp.py`` and run by torchrun with two processes, then again with one,
 which must resume the last epoch from the checkpoint the first run left.  Both
 runs ride on the torchrun jobs of tests/dist_launches.py (world 2, then world 1):
@@ -24,7 +24,8 @@ import sys
 
 import pytest
 from dist_launches import LAUNCHES, readme_ddp_output
-from loader_helpers import ROOT, env_with_path, readme_python_block
+from doc_examples import doc_python_block
+from loader_helpers import ROOT, env_with_path
 
 
 @pytest.mark.long
@@ -69,7 +70,7 @@ examples_together = pytest.mark.xdist_group("test_readme_examples")
 def examples(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("readme")
     for name in EXAMPLES:
-        (tmp / name).write_text(readme_python_block(f"# {name}"))
+        (tmp / name).write_text(doc_python_block(f"# {name}"))
     proc = subprocess.run([sys.executable, "-c", RUN_EXAMPLES, *EXAMPLES], cwd=tmp,
                           env=env_with_path(ROOT),
                           capture_output=True, text=True, timeout=220)

@@ -136,7 +136,7 @@ def test_current_epoch_is_exact_without_restoring_the_global_rng():
     (2, False, "thread"), (2, True, "thread")])
 def test_next_epoch_is_exact_after_a_finished_epoch_state_without_restoring_the_global_rng(
         num_workers, persistent, worker_method):
-    """The README's example: a state taken after an epoch's StopIteration, a new process
+    """The case docs/resume.md describes: a state taken after an epoch's StopIteration, a new process
     whose global RNG is elsewhere (model init drew from it), nothing restored: the next
     epoch's shuffle (and base seed) still come out as in the uninterrupted run."""
     make = make_for("shuffle", num_workers=num_workers, persistent_workers=persistent,

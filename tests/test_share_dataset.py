@@ -428,14 +428,14 @@ def test_the_main_process_lets_go_of_its_own_copy(start_method, request):
 
 # -- what changes in the main process (issue 52, item 9) ---------------------------------
 def _share_section() -> str:
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "sharing-data.md")) as f:
         text = f.read()
-    start = text.index("### Workers' memory grows: copy-on-read")
+    start = text.index("## Workers' memory grows: copy-on-read")
     return " ".join(text[start:text.index("**Finding the attribute that grows.**")].split())
 
 
 @pytest.mark.timeout(60)
-def test_what_sharing_changes_in_the_main_process_is_what_the_readme_says():
+def test_what_sharing_changes_in_the_main_process_is_what_the_docs_say():
     """Item 9: after share_dataset=True, some writes in the main process are
     silent no-ops; each is documented with its reason, and behaves so."""
     section = _share_section()

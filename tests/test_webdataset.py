@@ -5,7 +5,7 @@ workers through torch's ``get_worker_info()``; with ``batch_size=None`` the
 pipeline batches for itself.  ``wds.WebLoader`` builds torch's DataLoader
 (``webdataset/compat.py``), so changing the import to torchfeed leaves it on
 torch's loader; ``wds.FluidWrapper`` gives the same fluid methods over ours
-(the README's "webdataset" paragraph says so).  The shards are written with
+(docs/frameworks.md, "webdataset", says so).  The shards are written with
 the library's own ``TarWriter`` into a temporary folder.
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_webloader_keeps_torchs_loader_and_fluid_wrapper_runs_ours(urls):
     theirs = wds.WebLoader(pipeline(urls), batch_size=None, num_workers=2).unbatched().batched(6)
     loader = torchfeed.DataLoader(pipeline(urls), batch_size=None, num_workers=2)
     ours = wds.FluidWrapper(loader).unbatched().batched(6)
-    # What the README warns of: WebLoader builds torch's DataLoader whatever was imported.
+    # What the docs warn of: WebLoader builds torch's DataLoader whatever was imported.
     assert type(theirs.pipeline[0]) is torch.utils.data.DataLoader
     assert ours.pipeline[0] is loader
     assert [ids(b) for b in ours] == [ids(b) for b in theirs]

@@ -20,8 +20,8 @@ from .distributed import rank_and_world_size
 
 SUPPORTED = ("pass the loader through torchfeed.prepare(framework_prepare, loader), e.g. "
              "torchfeed.prepare(accelerator.prepare, loader) or "
-             "torchfeed.prepare(ray.train.torch.prepare_data_loader, loader); see the README, "
-             "\"Hugging Face Accelerate and Trainer\" and \"Ray Train\"")
+             "torchfeed.prepare(ray.train.torch.prepare_data_loader, loader); see the docs, "
+             "'Hugging Face Accelerate and Trainer' and 'Ray Train' (docs/frameworks.md)")
 
 _warned: set = set()
 _inside_prepare: set = set()  # ids of the loaders torchfeed.prepare is handing to a framework

@@ -240,5 +240,5 @@ def copy_on_read_warning(worker_id: int, growth: int, uss: int, suspects: str = 
             "reference count, so each worker slowly copies the parent's memory pages (pytorch "
             f"issue 13246). {named}"
             "in numpy arrays, tensors or Arrow-backed storage (a pyarrow Table, a Hugging Face "
-            "dataset) instead of Python lists and dicts. See the README, 'Workers' memory "
-            "grows'. (Logged once.)")
+            "dataset) instead of Python lists and dicts. See the docs, 'Workers' memory "
+            "grows' (docs/sharing-data.md). (Logged once.)")

@@ -15,7 +15,7 @@ machine's RAM and to the process's memory cgroup. So the budget here is:
 The limit exists mainly so tests and cautious users can make the transport
 behave as on a machine with little shared memory without filling the real one.
 
-Policy when the slots do not fit (documented in the README): torchfeed does not
+Policy when the slots do not fit (documented in docs/transport.md): torchfeed does not
 raise. Batches that do not fit go through torch's own transport, and the main
 process warns once, naming the bytes needed, the bytes allowed, where the limit
 came from, the free space in ``/dev/shm`` (which torch's transport uses) and the
