@@ -21,24 +21,12 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import pytest
 import torch
-from share_datasets import COCOLike, coco_json
+from share_datasets import COCOLike, coco_json, share_descriptors
 
 import torchfeed
 from torchfeed._share import SharedArray, is_shared, shared_nbytes
 
 MiB = 2**20
-
-
-def share_fds() -> list[str]:
-    """This process's descriptors of shared containers' memory."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if "torchfeed-share" in os.readlink(f"/proc/self/fd/{fd}"):
-                found.append(fd)
-        except OSError:
-            pass
-    return found
 
 
 def in_a_forked_child(work) -> tuple[int, object]:
@@ -142,13 +130,13 @@ def test_a_view_travels_by_value_and_a_handle_reuses_the_descriptor():
     feats = torchfeed.share(np.zeros((4096, 64), np.float32))
     assert len(ForkingPickler.dumps(feats[3])) < feats[3].nbytes + 500
     assert b"DupFd" not in ForkingPickler.dumps(feats[3])
-    before = share_fds()
+    before = share_descriptors()
     queue = mp.get_context("fork").SimpleQueue()
     kept = []
     for _ in range(50):  # the whole array, as a handle, sent to this very process
         queue.put(feats)
         kept.append(queue.get())
-    assert len(share_fds()) == len(before)  # each handle reused this process's descriptor
+    assert len(share_descriptors()) == len(before)  # each handle reused this process's descriptor
     assert all(type(k) is SharedArray and k.shared_buffer is feats.shared_buffer for k in kept)
 
 
@@ -219,7 +207,7 @@ def test_a_coco_index_reachable_three_ways_is_stored_about_once():
     assert by_image == coco.imgToAnns and imgs == coco.imgs
     some = list(coco.anns)[17]
     assert by_image[3] == coco.imgToAnns[3] and anns[some] == coco.anns[some]
-    assert len(share_fds()) >= 1 and done.shared[0]._buffer is done.shared[2]._buffer
+    assert len(share_descriptors()) >= 1 and done.shared[0]._buffer is done.shared[2]._buffer
 
 
 def test_many_containers_hold_one_descriptor():
@@ -228,7 +216,7 @@ def test_many_containers_hold_one_descriptor():
 
     name = f"clips-{os.getpid()}-{id(object())}"
     done = share_all([[{"clip": c, "frame": i} for i in range(2000)] for c in range(60)], name)
-    assert len([fd for fd in share_fds() if name in os.readlink(f"/proc/self/fd/{fd}")]) == 1
+    assert len([fd for fd in share_descriptors() if name in os.readlink(f"/proc/self/fd/{fd}")]) == 1
     assert [s[5]["clip"] for s in done.shared] == list(range(60))
 
 

@@ -185,10 +185,6 @@ class MultiProcessIterator(WorkerIterator):
                           slots=slots)
 
     # -- shutdown ---------------------------------------------------------------
-    @property
-    def shut_down(self) -> bool:
-        return self._receiver.stopped
-
     def _shutdown_workers(self) -> None:
         if self.shut_down:
             return

@@ -205,10 +205,6 @@ class ThreadIterator(WorkerIterator):
                           pin_busy_seconds=pin_busy, in_flight=in_flight, ready=ready, slots={})
 
     # -- shutdown: NOTE [ A thread cannot be killed ] ------------------------------
-    @property
-    def shut_down(self) -> bool:
-        return self._receiver.stopped
-
     def _shutdown_workers(self) -> None:
         if self.shut_down:
             return

@@ -270,6 +270,10 @@ class WorkerIterator(BaseIterator):
         return in_flight, ready, None if pin is None else pin.busy_seconds
 
     # -- shutdown ---------------------------------------------------------------
+    @property
+    def shut_down(self) -> bool:
+        return self._receiver.stopped  # the receiver stops taking results first
+
     def shutdown(self) -> None:
         self._shutdown_workers()
 

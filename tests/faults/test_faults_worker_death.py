@@ -7,13 +7,13 @@ batches and sample indices it had in flight, and what usually causes that
 death; it must surface within 5 s of the death, and leave nothing behind.
 """
 import multiprocessing
-import os
 import re
 import time
 
 import pytest
 from faults_datasets import FaultyMap, make_dataset, read_marker, share_through_files
 from faults_helpers import SURFACE_WITHIN, epochs_for, iterate_until_failure
+from loader_helpers import open_fds
 
 from torchfeed import DataLoader
 from torchfeed._ipc import wait_ready
@@ -100,11 +100,4 @@ def test_dead_worker_whose_sentinel_stays_quiet_is_seen(tmp_path, resource_track
 
 
 def _sockets() -> set:
-    found = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                found.add(fd)
-        except OSError:  # the listing's own descriptor, closed by now
-            pass
-    return found
+    return {fd for fd, target in open_fds().items() if target.startswith("socket:")}
