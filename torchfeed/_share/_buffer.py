@@ -95,6 +95,8 @@ def supported() -> str | None:
 
 def seals(final: bool = True) -> int:
     """The seals every pack carries (and, ``final``, the seal on the seals)."""
+    if not _host.HAS_SEALING:
+        raise RuntimeError(supported())
     import fcntl
     needed = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
     return needed | fcntl.F_SEAL_SEAL if final else needed
@@ -109,6 +111,8 @@ def seal(fd: int) -> None:
 
 
 def _check_seals(fd: int) -> None:
+    if not _host.HAS_SEALING:
+        raise RuntimeError(supported())
     import fcntl
     try:
         present = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -144,6 +148,8 @@ def map_file(fd: int, offset: int, length: int, *, private: bool = False,
     this process a private page and changes nothing another process sees.
     ``populate`` maps every page now (readable, so a private mapping's pages
     stay the file's until written: populating it writable would copy them)."""
+    if not _host.SHARED_CONTAINERS:  # no pack exists to map here
+        raise RuntimeError(supported())
     import ctypes
     import mmap
     libc = _libc()

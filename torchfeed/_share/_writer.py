@@ -30,8 +30,20 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import _host
 from . import _dedup
-from ._buffer import HEADER, HEADER_BYTES, MAGIC, PAGE, PYTHON, WITH_REFS, SharedBuffer, ref_record, seal
+from ._buffer import (
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    PAGE,
+    PYTHON,
+    WITH_REFS,
+    SharedBuffer,
+    ref_record,
+    seal,
+    supported,
+)
 from ._records import RecordPickler, RefPickler
 from ._stable_hash import key_hashes
 
@@ -73,10 +85,16 @@ def _items(obj) -> list | None:
     return None
 
 
+def _sealable_memfd(label: str) -> int:
+    if not _host.SHARED_CONTAINERS:  # share_all asks first (_buffer.supported)
+        raise RuntimeError(supported())
+    return os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+
+
 class _PackWriter:
     def __init__(self, name: str | None, count: int):
         label = f"torchfeed-share-{name}" if name else "torchfeed-share"
-        self.fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.fd = _sealable_memfd(label)
         self._end = HEADER_BYTES
         self.parts: list = [None] * (count + 1)
         self.objects_part = count
@@ -87,6 +105,8 @@ class _PackWriter:
 
     # -- the file -------------------------------------------------------------------
     def _write(self, data, at: int) -> None:
+        if not _host.SHARED_CONTAINERS:  # unreachable there: no memfd was made (__init__)
+            raise RuntimeError(supported())
         view = memoryview(data).cast("B")
         while view:
             written = os.pwrite(self.fd, view, at)
