@@ -147,6 +147,9 @@ def test_a_start_method_the_host_lacks_keeps_torchs_error_and_names_the_host(mon
     assert str(raised.value).startswith("multiprocessing_context option should specify a valid "
                                         "start method in ['spawn']")
     assert "torchfeed: Linux has the start methods spawn only; 'fork' cannot be used here" in text
+    with pytest.raises(ValueError) as raised:  # no start method anywhere: torch's error alone
+        torchfeed.DataLoader(RangeDataset(4), num_workers=2, multiprocessing_context="no-such")
+    assert not getattr(raised.value, "__notes__", []) and "torchfeed" not in str(raised.value)
 
 
 # -- where there are no stack dumps (Windows: no SIGUSR1) -------------------------

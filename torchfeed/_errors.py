@@ -209,15 +209,20 @@ def explain_lookup_error(exc: LookupError, dataset, index, batched: bool = False
                  f"in [0, {n}).")
 
 
+_START_METHODS = ("fork", "spawn", "forkserver")  # every start method some platform has
+
+
 def explain_start_method(exc: ValueError, method) -> None:
     """torch's ValueError for a ``multiprocessing_context`` this host does not
-    have ('fork' on Windows), with a note naming the host and what to use."""
+    have ('fork' on Windows), with a note naming the host and what to use; a
+    name that is no start method anywhere gets torch's error alone, which says
+    so already."""
     import multiprocessing
 
     from . import _host
 
     methods = multiprocessing.get_all_start_methods()
-    if not isinstance(method, str) or method in methods:
+    if not isinstance(method, str) or method in methods or method not in _START_METHODS:
         return
     add_note(exc, f"torchfeed: {_host.PLATFORM} has the start methods {', '.join(methods)} "
                   f"only; '{method}' cannot be used here. Use "
