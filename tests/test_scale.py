@@ -176,6 +176,8 @@ def test_spawn_stats_show_worker_start_and_suggest_persistent_workers(caplog):
     assert s["worker_start_seconds"] > 0 and s["workers"][0]["start_seconds"] > 0
     assert s["worker_start_fraction"] >= 0.5, s
     assert "starting workers took" in str(s) and "persistent_workers=True" in str(s)
+    # a process loader cannot measure threads; it names them, and the tuner that does
+    assert "worker_method='thread'" in str(s) and "torchfeed.tune" in str(s)
     assert any("starting workers took" in r.getMessage() and "persistent_workers=True"
                in r.getMessage() for r in caplog.records), caplog.text
 

@@ -356,6 +356,18 @@ def test_the_verdict_reads_a_gil_bound_dataset_off_the_threads_cpu_time():
     assert thread_gil_share({**held, "worker_method": "multiprocessing"}) is None
 
 
+def test_a_slow_worker_start_names_threads_only_to_a_process_loader():
+    # starting workers took 8 of a 10 s epoch the loop mostly waited on
+    slow = {"worker_start_seconds": 8.0, "worker_start_fraction": 0.8}
+    threads = LoaderStats({**_thread_stats(busy=[0.2, 0.2], cpu=[0.2, 0.2]), **slow})
+    processes = LoaderStats({**threads, "worker_method": "multiprocessing", "transport": "shm"})
+    for s in (threads, processes):
+        assert "starting workers took 8.00 s, 80% of this epoch" in str(s)
+    assert "worker_method='thread'" not in str(threads)
+    assert ("or worker_method='thread', whose workers start at once, where __getitem__ "
+            "releases the GIL (python -m torchfeed.tune measures both)") in str(processes)
+
+
 @pytest.mark.timeout(30)
 def test_stats_read_the_threads_cpu_time_of_a_python_bound_dataset():
     class Spins(Dataset):

@@ -197,8 +197,15 @@ def start_advice(s) -> str:
     text = (f"starting workers took {s['worker_start_seconds']:.2f} s, "
             f"{100 * s['worker_start_fraction']:.0f}% of this epoch")
     if s.get("persistent_workers"):
-        return text + "; with persistent_workers=True only the first epoch pays it"
-    return text + "; pass persistent_workers=True to start them once instead of at every epoch"
+        text += "; with persistent_workers=True only the first epoch pays it"
+    else:
+        text += "; pass persistent_workers=True to start them once instead of at every epoch"
+    if s.get("worker_method") != "thread":
+        # What a process loader cannot measure: whether __getitem__ would let
+        # threads run together.  Threads start at once; the tuner measures both.
+        text += ("; or worker_method='thread', whose workers start at once, where "
+                 "__getitem__ releases the GIL (python -m torchfeed.tune measures both)")
+    return text
 
 
 def log_line(s: LoaderStats, window_batches: int, window_wait: float,
