@@ -15,8 +15,8 @@ from torch.utils.data import IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from . import _state
+from ._iterable_shards import rank_and_world_size
 from ._resume_book import ResumeBook
-from .distributed import rank_and_world_size
 
 SUPPORTED = ("pass the loader through torchfeed.prepare(framework_prepare, loader), e.g. "
              "torchfeed.prepare(accelerator.prepare, loader) or "

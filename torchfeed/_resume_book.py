@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from torch.utils.data import IterableDataset
 
 from ._checkpoint import KIND, VERSION, Checkpoint
+from ._iterable_shards import rank_and_world_size
 from ._sampler_state import describe_sampler
 from ._streaming_adapters import adapter_for
-from .distributed import rank_and_world_size
 
 if TYPE_CHECKING:
     from ._index_stream import IndexStream

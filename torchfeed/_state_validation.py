@@ -16,8 +16,8 @@ from collections.abc import Mapping
 
 from ._checkpoint import Checkpoint, check_rng_text, fail
 from ._index_stream import IndexStream
+from ._iterable_shards import check_iterable_world_size
 from ._sampler_state import ORDER_SETTINGS
-from .distributed import check_iterable_world_size
 
 
 def fit(cp: Checkpoint, header: dict, loader, probe: IndexStream) -> Checkpoint:

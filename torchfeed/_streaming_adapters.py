@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 
-from .distributed import rank_and_world_size
+from ._iterable_shards import rank_and_world_size
 
 
 class _Adapter:
