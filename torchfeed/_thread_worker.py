@@ -47,7 +47,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,6 +60,7 @@ from ._protocol import IterableExhausted, ResumeIteration, WorkerResume
 from ._stateful import StateTaker
 from ._thread_collate import in_memory_collate
 from ._torch_compat import THREAD_LOCAL_WORKER_INFO
+from ._worker_spec import WorkerBasis
 
 POLL_INTERVAL = 0.25  # seconds between a waiting worker's checks of the stop flag
 GLOBAL_RNG_CHECKS = 8  # a worker's first tasks are watched for draws from the global RNGs
@@ -114,18 +115,8 @@ def _set_info(info) -> None:
 
 
 @dataclass
-class ThreadWorkerSpec:
+class ThreadWorkerSpec(WorkerBasis):
     """What every worker thread of one iterator starts from (read, never written)."""
-    is_iterable: bool
-    dataset: Any
-    auto_collation: bool
-    collate_fn: Callable
-    drop_last: bool
-    base_seed: int
-    worker_init_fn: Callable | None
-    num_workers: int
-    epoch: int
-    seed_per_batch: bool
     stopping: threading.Event  # set when the iterator shuts down: leave at the next task
     main_waiting: Any  # the iterator's MainWait: whether a global-RNG draw can be ours
     resume_states: list[WorkerResume] | None = None

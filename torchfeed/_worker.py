@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import torch
@@ -53,23 +53,14 @@ from ._pickling import describe_unpicklable, find_unpicklable
 from ._protocol import IterableExhausted, ResumeIteration, StatefulResult, Task, WorkerResume
 from ._stateful import StateTaker
 from ._transport import Plain
+from ._worker_spec import WorkerBasis
 
 POLL_INTERVAL = 0.25  # seconds between checks that the main process is alive
 
 
 @dataclass
-class WorkerSpec:
-    """Everything a worker needs, pickled once per worker at start."""
-    is_iterable: bool
-    dataset: Any
-    auto_collation: bool
-    collate_fn: Callable
-    drop_last: bool
-    base_seed: int
-    worker_init_fn: Callable | None
-    num_workers: int
-    epoch: int
-    seed_per_batch: bool
+class WorkerSpec(WorkerBasis):
+    """Everything a worker process needs, pickled once per worker at start."""
     main_pid: int
     # The main process's StopFlag (_processes.py), set when it stops the workers:
     # the tasks still queued are skipped, not loaded (torch's _workers_done_event).
