@@ -310,6 +310,13 @@ MUTATIONS = (
          "tests/test_thread_workers.py::test_recycled_batches_equal_torchs_whatever_the_consumer_keeps"),
         each=True),
     Mutation(
+        "thread-stream-off",
+        "thread workers: a batch's samples are all held until the stack reads them back, cold",
+        "torchfeed/_thread_collate.py",
+        "    takes_sample_stream = True  # the fetcher may pass a SampleStream",
+        "    takes_sample_stream = False  # the fetcher may pass a SampleStream",
+        ("tests/test_stream.py::test_streamed_batches_equal_torchs_and_each_sample_is_freed_before_the_next[numpy-thread]",)),
+    Mutation(
         "thread-death-unseen", "thread workers: a thread that ended by itself is waited for",
         "torchfeed/_thread_iterator.py",
         "        except queue.Empty:\n            self._check_threads()\n",

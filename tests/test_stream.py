@@ -5,12 +5,13 @@ torch's behaviour whenever a sample does not fit the first one's layout."""
 from __future__ import annotations
 
 import collections
+import threading
 import weakref
 
 import numpy as np
 import pytest
 import torch
-from loader_helpers import assert_same
+from loader_helpers import assert_same, both_kinds, torch_kwargs
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
 import torchfeed
@@ -29,7 +30,7 @@ class BigSamples(Dataset):
 
     def __init__(self, kind: str):
         self.kind = kind
-        self.last = None
+        self.last: dict = {}  # per thread: thread workers share the dataset
 
     def __len__(self):
         return LENGTH
@@ -39,7 +40,8 @@ class BigSamples(Dataset):
         return ((t + i) % 97).to(dtype)
 
     def __getitem__(self, i):
-        previous_alive = self.last is not None and self.last() is not None
+        last = self.last.get(threading.get_ident())
+        previous_alive = last is not None and last() is not None
         if self.kind == "tensor":
             big = self._big(i)
             sample = (big, i, previous_alive)
@@ -52,7 +54,7 @@ class BigSamples(Dataset):
             sample = Views(left=[big, self._big(i, torch.bool, 320), 2.5 * i],
                            right={"c": self._big(i, torch.complex64, 128),
                                   "flag": previous_alive})
-        self.last = weakref.ref(big)
+        self.last[threading.get_ident()] = weakref.ref(big)
         return sample
 
 
@@ -73,24 +75,28 @@ def _drop_flags(batch, kind):
 
 
 @pytest.mark.timeout(120)
+@both_kinds
 @pytest.mark.parametrize("kind", ["tensor", "numpy", "nested"])
-def test_streamed_batches_equal_torchs_and_each_sample_is_freed_before_the_next(kind):
+def test_streamed_batches_equal_torchs_and_each_sample_is_freed_before_the_next(kind,
+                                                                                worker_method):
     smallest = BigSamples(kind)._big(0, torch.uint8, 320).nbytes
     assert smallest >= STREAM_MIN_BYTES and smallest * BATCH >= STREAM_MIN_BATCH_BYTES
-    kw = dict(batch_size=BATCH, num_workers=2)
+    kw = dict(batch_size=BATCH, num_workers=2, worker_method=worker_method)
     ours = list(torchfeed.DataLoader(BigSamples(kind), **kw))
-    theirs = list(torch.utils.data.DataLoader(BigSamples(kind), **kw))
+    theirs = list(torch.utils.data.DataLoader(BigSamples(kind), **torch_kwargs(kw)))
     assert len(ours) == len(theirs) == LENGTH // BATCH
     for a, b in zip(ours, theirs):
         assert_same(_drop_flags(a, kind), _drop_flags(b, kind))
     # torch holds every sample of a batch until it collates them.
     assert all(_flags(b, kind)[1:].all() for b in theirs)
     # Streamed: every sample after a batch's first was fetched once the one
-    # before it had been copied into the slot and freed. Each worker's first
-    # batch has no slot yet, so it is fetched whole, as torch does.
-    for b in ours[2:]:
+    # before it had been copied into the slot and freed. A worker process's
+    # first batch has no slot yet, so it is fetched whole, as torch does; a
+    # worker thread streams from its first (NOTE [ Streaming in a thread ]).
+    whole = 2 if worker_method == "multiprocessing" else 0
+    for b in ours[whole:]:
         assert not _flags(b, kind)[1:].any()
-    assert all(_flags(b, kind)[1:].all() for b in ours[:2])
+    assert all(_flags(b, kind)[1:].all() for b in ours[:whole])
 
 
 @pytest.mark.long
@@ -145,10 +151,11 @@ class OddOneOut(Dataset):
 
 
 @pytest.mark.timeout(120)
+@both_kinds
 @pytest.mark.parametrize("odd", ["dtype", "list", "type"])
-def test_a_sample_that_breaks_the_layout_gets_torchs_result(odd):
+def test_a_sample_that_breaks_the_layout_gets_torchs_result(odd, worker_method):
     kw = dict(batch_size=BATCH, num_workers=2)
-    ours = list(torchfeed.DataLoader(OddOneOut(odd), **kw))
+    ours = list(torchfeed.DataLoader(OddOneOut(odd), worker_method=worker_method, **kw))
     theirs = list(torch.utils.data.DataLoader(OddOneOut(odd), **kw))
     assert len(ours) == len(theirs)
     for a, b in zip(ours, theirs):
@@ -161,7 +168,8 @@ def test_a_sample_that_breaks_the_layout_gets_torchs_result(odd):
     ("shape", RuntimeError, "stack expects each tensor to be equal size"),
     ("missing", KeyError, "'image'"),
 ])
-def test_a_sample_that_breaks_the_layout_gets_torchs_error(odd, error, words):
+@both_kinds
+def test_a_sample_that_breaks_the_layout_gets_torchs_error(odd, error, words, worker_method):
     kw = dict(batch_size=BATCH, num_workers=2)
     try:
         list(torch.utils.data.DataLoader(OddOneOut(odd), **kw))
@@ -174,7 +182,7 @@ def test_a_sample_that_breaks_the_layout_gets_torchs_error(odd, error, words):
     else:
         pytest.fail("torch's loader ran its epoch without an error")
     with pytest.raises(error, match=words) as info:
-        list(torchfeed.DataLoader(OddOneOut(odd), **kw))
+        list(torchfeed.DataLoader(OddOneOut(odd), worker_method=worker_method, **kw))
     assert "batch 5" in str(info.value)  # the streamed batch the odd sample is in
 
 
@@ -224,10 +232,11 @@ class BigStream(IterableDataset):
 
 
 @pytest.mark.timeout(120)
+@both_kinds
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_iterable_dataset_batches_are_streamed_and_equal_torchs(drop_last):
+def test_iterable_dataset_batches_are_streamed_and_equal_torchs(drop_last, worker_method):
     kw = dict(batch_size=BATCH, num_workers=2, drop_last=drop_last)
-    ours = list(torchfeed.DataLoader(BigStream(), **kw))
+    ours = list(torchfeed.DataLoader(BigStream(), worker_method=worker_method, **kw))
     theirs = list(torch.utils.data.DataLoader(BigStream(), **kw))
     # 51 and 50 samples per worker: three full batches each, and a short one
     assert len(ours) == len(theirs) == (6 if drop_last else 8)

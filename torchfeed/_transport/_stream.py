@@ -15,7 +15,9 @@ reached through dicts, lists, tuples and namedtuples, gets a
 then copied into their rows while still in the cache, and the sample keeps
 the row in their place; its own buffer is freed before the next sample is
 fetched, so the allocator hands the same warm memory to the next one. The
-collate then finds each output already stacked and returns it as is.
+collate then finds each output already stacked and returns it as is. A
+worker thread streams the same way, into ordinary memory it reuses
+(``_thread_collate.py``, NOTE [ Streaming in a thread ]).
 
 A sample that does not fit the layout (another type, shape or dtype, a
 missing key, a tensor that requires grad), or an IterableDataset's stream
