@@ -48,7 +48,7 @@ import torch
 from torch.utils.data._utils import collate as _torch_collate
 
 from ._transport import is_default_collate
-from ._transport._stream import SampleStream, stream_samples
+from ._transport._stream import SampleStream, stream_samples, streamed_output
 
 RECYCLE_MIN_BYTES = 1 << 20  # smaller tensors: torch's allocator, whose heap is warm anyway
 KEEP_FREE = 1                # free buffers a worker keeps per size: the one it fills next
@@ -89,11 +89,10 @@ class InMemoryCollate:
         return self.memory.tensor(shape, dtype), IN_MEMORY, 0
 
     def _stack(self, batch, *, collate_fn_map=None):
+        stacked = streamed_output(self.streamed, batch)
+        if stacked is not None:
+            return stacked  # streamed: already stacked
         elem = batch[0]
-        leaf = self.streamed.get(id(elem))
-        if (leaf is not None and len(batch) == len(leaf.rows)
-                and all(a is b for a, b in zip(batch, leaf.rows))):
-            return leaf.out  # streamed: already stacked
         if elem.is_nested or elem.layout != torch.strided:
             return _torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # torch's error
         shape = (len(batch), *elem.shape)

@@ -36,7 +36,7 @@ import torch
 from torch.utils.data._utils import collate as _torch_collate
 
 from . import _layout, _slots
-from ._stream import SampleStream, stream_samples, streamable_bytes
+from ._stream import SampleStream, stream_samples, streamable_bytes, streamed_output
 
 _END = object()
 
@@ -104,11 +104,10 @@ class DirectCollate:
         return SampleStream(itertools.chain([first], it), len(samples))
 
     def collate_tensor(self, batch, *, collate_fn_map=None):
+        stacked = streamed_output(self.streamed, batch)
+        if stacked is not None:
+            return stacked  # streamed: already stacked in the slot
         elem = batch[0]
-        leaf = self.streamed.get(id(elem))
-        if (leaf is not None and len(batch) == len(leaf.rows)
-                and all(a is b for a, b in zip(batch, leaf.rows))):
-            return leaf.out  # streamed: already stacked in the slot
         if (type(elem) is not torch.Tensor or elem.layout is not torch.strided
                 or not elem.is_cpu or elem.is_nested or elem.is_quantized):
             return _torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)

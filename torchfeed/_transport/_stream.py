@@ -244,3 +244,13 @@ def stream_samples(samples, reserve):
         return [*restored, *([] if x is _END else [x, *it])], {}
     leaves = list(_leaves(layout))
     return out, {id(leaf.rows[0]): leaf for leaf in leaves}
+
+
+def streamed_output(streamed: dict, batch):
+    """The output ``stream_samples`` already stacked ``batch`` into (its rows,
+    in order, are the batch), or None: ``streamed`` is what it returned."""
+    leaf = streamed.get(id(batch[0]))
+    if (leaf is not None and len(batch) == len(leaf.rows)
+            and all(a is b for a, b in zip(batch, leaf.rows))):
+        return leaf.out
+    return None
