@@ -198,7 +198,7 @@ MUTATIONS = (
         "shared-array-read-only", "sharing: a shared array is mapped read-only, and an "
         "in-place write to a sample (torch.from_numpy(row).sub_()) kills the process",
         "torchfeed/_share/_buffer.py",
-        "    if private and libc.mprotect(addr, length, mmap.PROT_READ | mmap.PROT_WRITE) != 0:\n",
+        "    if private and lib.mprotect(addr, length, mmap.PROT_READ | mmap.PROT_WRITE) != 0:\n",
         "    if False:\n",
         (f"{SHARE_EXACT}::test_an_in_place_write_to_a_shared_array_is_private_and_never_crashes",)),
     Mutation(

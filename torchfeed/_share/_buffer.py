@@ -58,6 +58,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from .. import _host
+from .._libc import MAP_FAILED, libc
 
 MAGIC = b"TFSHARE2"
 HEADER = struct.Struct("<8sqqqqq")
@@ -126,18 +127,6 @@ def _check_seals(fd: int) -> None:
                          "readers; only sealed memory is mapped")
 
 
-@functools.lru_cache(maxsize=1)
-def _libc():
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
-
-
 def map_file(fd: int, offset: int, length: int, *, private: bool = False,
              populate: bool = False) -> np.ndarray:
     """``length`` bytes of ``fd`` from ``offset`` (page-aligned), as a uint8 array
@@ -152,23 +141,23 @@ def map_file(fd: int, offset: int, length: int, *, private: bool = False,
         raise RuntimeError(supported())
     import ctypes
     import mmap
-    libc = _libc()
+    lib = libc()
     length = max(length, 1)
     kind = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
     flags = kind | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-    addr = libc.mmap(None, length, mmap.PROT_READ, flags, fd, offset)
-    if addr in (None, ctypes.c_void_p(-1).value):
+    addr = lib.mmap(None, length, mmap.PROT_READ, flags, fd, offset)
+    if addr in (None, MAP_FAILED):
         e = ctypes.get_errno()
         raise OSError(e, f"mmap of {length} bytes of shared memory failed: {os.strerror(e)}")
-    if private and libc.mprotect(addr, length, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
+    if private and lib.mprotect(addr, length, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
         e = ctypes.get_errno()
-        libc.munmap(addr, length)
+        lib.munmap(addr, length)
         raise OSError(e, f"mprotect of a copy-on-write mapping failed: {os.strerror(e)}")
     # a ctypes array has the buffer protocol; numpy's stubs do not list ctypes
     array = np.frombuffer((ctypes.c_ubyte * length).from_address(addr), np.uint8)  # type: ignore[call-overload]
     if not private:
         array.flags.writeable = False  # a write would be a SIGSEGV, not an error
-    fin = weakref.finalize(array, libc.munmap, addr, length)
+    fin = weakref.finalize(array, lib.munmap, addr, length)
     fin.atexit = False  # exiting unmaps anyway; earlier could pull memory from live views
     return array
 

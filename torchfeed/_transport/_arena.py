@@ -24,6 +24,7 @@ import weakref
 import numpy as np
 
 from .. import _host
+from .._libc import MAP_FAILED, libc
 
 CTRL_BYTES = mmap.PAGESIZE
 REGION_ALIGN = 1 << 16
@@ -31,26 +32,6 @@ FIRST_REGION = REGION_ALIGN
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_loaded: list = []  # [libc], once loaded
-
-
-def _libc():
-    """libc through ctypes, with the prototypes used here, loaded on first use:
-    only a host with the slots (``_host.SHM_SLOTS``) or shared containers
-    (``_host.SHARED_CONTAINERS``) gets here.  Never at import: Windows has no
-    ``CDLL(None)``, and macOS's libc no ``fallocate``."""
-    if not _loaded:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        if _host.HAS_FALLOCATE:
-            libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-        _loaded.append(libc)
-    return _loaded[0]
 
 
 def _no_slots(what: str) -> OSError:
@@ -97,7 +78,7 @@ class SharedMap:
         self.array = np.frombuffer((ctypes.c_ubyte * length).from_address(addr), np.uint8)  # type: ignore[call-overload]
         if not writable:
             self.array.flags.writeable = False  # a write would be a SIGSEGV, not an error
-        fin = weakref.finalize(self.array, _libc().munmap, addr, length)
+        fin = weakref.finalize(self.array, libc().munmap, addr, length)
         fin.atexit = False  # exiting unmaps anyway; earlier could pull memory from live views
 
     def remove(self, start: int = 0) -> None:
@@ -116,13 +97,13 @@ def _map_shared(fd: int, length: int, offset: int, populate: bool, writable: boo
     """libc's ``mmap`` of ``length`` bytes of ``fd`` at ``offset``, shared: its address."""
     if not _host.HAS_LIBC:
         raise _no_slots("a shared mapping without a descriptor")
-    libc = _libc()
+    lib = libc()
     if not SharedMap._madvise_remove and _host.HAS_MADV_REMOVE:
-        SharedMap._madvise_remove = (libc.madvise, mmap.MADV_REMOVE)
+        SharedMap._madvise_remove = (lib.madvise, mmap.MADV_REMOVE)
     flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    addr = libc.mmap(None, length, prot, flags, fd, offset)
-    if addr in (None, _MAP_FAILED):
+    addr = lib.mmap(None, length, prot, flags, fd, offset)
+    if addr in (None, MAP_FAILED):
         e = ctypes.get_errno()
         raise OSError(e, f"mmap of {length} bytes of shared memory failed: {os.strerror(e)}")
     return addr
@@ -134,7 +115,7 @@ def drop_pages(addr: int, length: int) -> None:
     processes that map them, and come back on the next touch."""
     if not _host.SHM_SLOTS:
         raise _no_slots("dropping a slot's pages")
-    _libc().madvise(addr, length, mmap.MADV_DONTNEED)
+    libc().madvise(addr, length, mmap.MADV_DONTNEED)
 
 
 def allocate(fd: int, off: int, length: int) -> None:
@@ -180,7 +161,7 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
         raise _no_slots("punching a hole")
     if length <= 0:
         return
-    if _libc().fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+    if libc().fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
         e = ctypes.get_errno()
         if e not in (errno.EBADF,):
             raise OSError(e, os.strerror(e))
