@@ -39,6 +39,19 @@ class HalfMessage(Exception):
         self.worker_id = worker_id
 
 
+def check_stall(dead: int | None, stalled_since: float | None) -> float | None:
+    """A message has stopped arriving: with a writer dead (``dead``, its
+    worker id), since when (``stalled_since``, else now); ``HalfMessage``
+    once that is ``STALL`` ago.  With none dead, ``stalled_since`` as it was."""
+    if dead is None:
+        return stalled_since
+    now = time.monotonic()
+    stalled_since = stalled_since or now
+    if now - stalled_since > STALL:
+        raise HalfMessage(dead)
+    return stalled_since
+
+
 class Stopped(Exception):
     """The iterator is shutting down: the main process stops reading a half-read
     message, a worker stops waiting for the write lock (``ResultWriter``)."""
@@ -113,8 +126,4 @@ class MessageReader:
                 continue
             if stopping():
                 raise Stopped()
-            if dead is not None:
-                now = time.monotonic()
-                stalled_since = stalled_since or now
-                if now - stalled_since > STALL:
-                    raise HalfMessage(dead)
+            stalled_since = check_stall(dead, stalled_since)

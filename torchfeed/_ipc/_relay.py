@@ -33,12 +33,11 @@ from __future__ import annotations
 import collections
 import multiprocessing.connection
 import threading
-import time
 import weakref
 from contextlib import contextmanager
 
 from ._mp_queue import close_writer, reader_connection, size_semaphore
-from ._pipe_reader import STALL, HalfMessage, Stopped
+from ._pipe_reader import Stopped, check_stall
 from ._wait import WAIT_SLICE, wait_ready
 
 _TOKEN = b"\1"
@@ -107,11 +106,7 @@ class RelayReader:
                     dead = sentinels.pop(sentinel)
             if stopping():
                 raise Stopped()
-            if dead is not None:
-                now = time.monotonic()
-                stalled_since = stalled_since or now
-                if now - stalled_since > STALL:
-                    raise HalfMessage(dead)
+            stalled_since = check_stall(dead, stalled_since)
 
     def _take(self) -> bytes | None:
         """The first message of the inbox, or None; the token goes with the last one."""
